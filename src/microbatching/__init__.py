@@ -1,0 +1,20 @@
+"""Microbatching for JAX: run a function, a vmap or per-example gradients over a batch
+larger than device memory, one microbatch at a time, inside one compiled program."""
+
+from ._accumulators import AccumulationType as AccumulationType
+from ._accumulators import Accumulator as Accumulator
+from ._grad import Aux as Aux
+from ._grad import micro_grad as micro_grad
+from ._layout import reshape_batch_axis as reshape_batch_axis
+from ._microbatch import microbatch as microbatch
+from ._vmap import micro_vmap as micro_vmap
+
+__all__ = [
+    "AccumulationType",
+    "Accumulator",
+    "Aux",
+    "micro_grad",
+    "micro_vmap",
+    "microbatch",
+    "reshape_batch_axis",
+]

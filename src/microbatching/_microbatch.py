@@ -1,0 +1,109 @@
+"""The loop: ``microbatch``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.extend.core import jaxpr_as_fun
+
+from . import _accumulators, _arguments, _layout
+from ._accumulators import AccumulationType
+from ._typing import Count, Function, InAxes
+
+
+def microbatch(
+    fun: Function,
+    argnums: int | tuple[int, ...] | list[int],
+    microbatch_size: int | None,
+    accumulator: Any = AccumulationType.SUM,
+    *,
+    argnames: str | tuple[str, ...] | list[str] = (),
+    in_axes: InAxes = 0,
+    num_real_microbatches: Count = None,
+) -> Function:
+    """Runs ``fun`` on one microbatch at a time and combines the results.
+
+    The returned function takes the same arguments as ``fun``. It splits every batch
+    argument into ``batch_size // microbatch_size`` microbatches, calls ``fun`` on each
+    inside a single ``jax.lax.fori_loop`` and folds the results with ``accumulator``.
+    Microbatch ``i`` holds rows ``i, i + n, i + 2n, ...`` of the batch (``n`` the number
+    of microbatches); it is read in place, so the batch is never copied.
+
+    Args:
+      fun: The function to run; it must accept a microbatch wherever it accepts the batch.
+      argnums: Positions of the arguments that have a batch axis.
+      microbatch_size: Rows per microbatch; it must divide the batch size. None runs
+        ``fun`` once on the whole batch.
+      accumulator: How to combine the per-microbatch results: an ``AccumulationType``,
+        an ``Accumulator``, or a pytree of them that is a prefix of ``fun``'s output.
+      argnames: Names of keyword arguments that have a batch axis.
+      in_axes: The batch axis of each argument in ``argnums + argnames`` (one int for
+        all). An entry may also be a pytree prefix of its argument, with None for
+        leaves that are not batched. Negative axes count from the end.
+      num_real_microbatches: Run only microbatches ``0 .. k-1``. An int is checked
+        against the number of microbatches; a traced integer is clipped to it and can
+        change without recompiling. CONCAT rows of skipped microbatches are zero;
+        MEAN still divides by the total number of microbatches, RUNNING_MEAN by ``k``.
+
+    Returns:
+      A function with ``fun``'s signature that returns the combined result.
+
+    Raises:
+      TypeError, ValueError: At wrap time for bad ``microbatch_size``, ``argnums``,
+        ``argnames``, ``in_axes`` or ``accumulator``; at the first call for batch
+        arguments that do not fit them.
+
+    >>> import jax.numpy as jnp
+    >>> fun = lambda x: (x * 10, jnp.sum(x))
+    >>> batched = microbatch(fun, argnums=0, microbatch_size=2,
+    ...                      accumulator=(AccumulationType.CONCAT, AccumulationType.SUM))
+    >>> batched(jnp.array([1, 2, 3, 4]))
+    (Array([10, 20, 30, 40], dtype=int32), Array(10, dtype=int32))
+    """
+    size = _arguments.ensure_microbatch_size(microbatch_size)
+    batch_arguments = _arguments.BatchArguments.create(fun, argnums, argnames, in_axes)
+    _accumulators.check_tree(accumulator)
+    count = _arguments.ensure_count(num_real_microbatches)
+
+    @functools.wraps(fun)
+    def microbatched(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(f"microbatch({batch_arguments.fun_name})"):
+            if size is None:
+                return fun(*args, **kwargs)
+            batch = batch_arguments.locate(args, kwargs)
+            return _loop(fun, batch, size, accumulator, count)
+
+    return microbatched
+
+
+def _loop(
+    fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, count: Count
+) -> Any:
+    """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop."""
+    n = _arguments.num_microbatches(batch.size, size)
+    acc = _accumulators.combine(accumulator, n)
+    where = [i for i, axis in enumerate(batch.axes) if axis is not None]
+    axes = [batch.axes[i] for i in where]
+
+    def call(microbatch_leaves: list[Any]) -> Any:
+        leaves = list(batch.leaves)
+        for i, leaf in zip(where, microbatch_leaves, strict=True):
+            leaves[i] = leaf
+        args, kwargs = batch.rebuild(leaves)
+        return fun(*args, **kwargs)
+
+    structs = [_layout.microbatch_struct(batch.leaves[i], ax, size) for i, ax in zip(where, axes)]
+    jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
+    run, out_tree = jaxpr_as_fun(jaxpr), jax.tree.structure(out_shape)
+    carry = acc.init(out_shape)
+    if n == 0:
+        return acc.finalize(carry)
+    views = [_layout.split(batch.leaves[i], ax, size) for i, ax in zip(where, axes)]
+
+    def body(index: Any, carry: Any) -> Any:
+        microbatch_leaves = [_layout.take(v, ax, index) for v, ax in zip(views, axes)]
+        return acc.update(carry, out_tree.unflatten(run(*microbatch_leaves)), index)
+
+    return acc.finalize(jax.lax.fori_loop(0, _arguments.real_count(count, n), body, carry))

@@ -1,0 +1,21 @@
+"""Type aliases shared by the package."""
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import jax
+
+PyTree: TypeAlias = Any
+"""Any pytree of arrays (a leaf, a tuple, a dict, a dataclass registered with JAX...)."""
+
+Function: TypeAlias = Callable[..., Any]
+PyTreeFn: TypeAlias = Callable[[PyTree], PyTree]
+UpdateFn: TypeAlias = Callable[[PyTree, PyTree, Any], PyTree]
+VmapFn: TypeAlias = Callable[[Function, Any, Any], Function]
+
+AxisSpec: TypeAlias = int | None | PyTree
+"""The batch axis of one argument: an int, None (not batched) or a pytree prefix of them."""
+
+InAxes: TypeAlias = int | Sequence[AxisSpec]
+Count: TypeAlias = int | jax.Array | None
+"""A static or traced number of microbatches."""
