@@ -21,11 +21,13 @@ class AccumulationType(enum.Enum):
     """
 
     MEAN = 1
-    """The mean of the microbatch results (divided by the number of microbatches)."""
+    """The sum of the microbatch results divided by the number of microbatches (NaN for
+    an empty batch)."""
     SUM = 2
     """The sum of the microbatch results."""
     RUNNING_MEAN = 3
-    """The mean of the microbatch results that ran (see ``num_real_microbatches``)."""
+    """The mean of the microbatch results that ran (see ``num_real_microbatches``);
+    NaN when none ran."""
     CONCAT = 4
     """The microbatch results joined along axis 0, in the original row order."""
 
@@ -103,6 +105,10 @@ def _zeros(struct: Any) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
+def _nans(struct: Any) -> jax.Array:
+    return jnp.full(struct.shape, jnp.nan, struct.dtype)
+
+
 def _sum_rows(x: jax.Array) -> jax.Array:
     return jnp.sum(x, axis=0, dtype=x.dtype)
 
@@ -127,12 +133,13 @@ def mean(num_microbatches: int) -> Accumulator:
 
 
 def running_mean() -> Accumulator:
-    """Keeps the mean of the results seen so far: ``carry += (x - carry) / (i + 1)``."""
+    """Keeps the mean of the results seen so far; NaN until the first one."""
+
+    def update(c: jax.Array, x: jax.Array, i: Any) -> jax.Array:
+        return jnp.where(i == 0, x, c + (x - c) / jnp.asarray(i + 1, c.dtype)).astype(c.dtype)
+
     return _leafwise(
-        _inexact("RUNNING_MEAN", _zeros),
-        lambda c, x, i: c + (x - c) / jnp.asarray(i + 1, c.dtype),
-        lambda c: c,
-        _inexact("RUNNING_MEAN", _mean_rows),
+        _inexact("RUNNING_MEAN", _nans), update, lambda c: c, _inexact("RUNNING_MEAN", _mean_rows)
     )
 
 

@@ -163,6 +163,19 @@ def _check_axis_spec(spec: AxisSpec, where: str) -> None:
         )
 
 
+def ensure_vmap_in_axes(in_axes: Any) -> None:
+    """Checks ``micro_vmap``'s ``in_axes``: an int, or a sequence with one entry per argument."""
+    if _is_int(in_axes):
+        return
+    if not isinstance(in_axes, list | tuple):
+        raise TypeError(
+            f"in_axes must be an int or a sequence with one entry per positional argument, "
+            f"got {in_axes=}."
+        )
+    for i, spec in enumerate(in_axes):
+        _check_axis_spec(spec, f"in_axes[{i}]")
+
+
 def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:
     if _is_int(in_axes) or in_axes is None:
         _check_axis_spec(in_axes, "in_axes")

@@ -80,24 +80,44 @@ def micro_grad(
       A function returning ``(accumulated transformed gradients, Aux)``.
 
     >>> import jax.numpy as jnp
-    >>> loss = lambda w, x, y: 0.5 * jnp.mean((x @ w - y) ** 2)
-    >>> grads, aux = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=2,
-    ...                         metrics_fn=jnp.linalg.norm)(
-    ...     jnp.zeros(1), jnp.ones((4, 1)), jnp.array([0.0, 2.0, 4.0, 6.0]))
-    >>> grads
-    Array([-12.], dtype=float32)
+    >>> def mean_squared_loss(params, features, targets):
+    ...     diff = features @ params - targets
+    ...     return 0.5 * jnp.mean(diff**2)
+    >>> params = jnp.zeros(1)
+    >>> features = jnp.ones((4, 1))
+    >>> targets = jnp.array([0, 2, 4, 6])
+    >>> (grads, squared_grads), aux = micro_grad(
+    ...     mean_squared_loss,
+    ...     argnums=0,
+    ...     batch_argnums=(1, 2),
+    ...     accumulator=AccumulationType.MEAN,
+    ...     transform_fn=lambda g: (g, g**2),
+    ...     metrics_fn=jnp.linalg.norm,
+    ... )(params, features, targets)
+    >>> grads, squared_grads  # the per-example gradients are 0, -2, -4, -6
+    (Array([-3.], dtype=float32), Array([14.], dtype=float32))
+    >>> aux.values
+    Array([ 0.,  2.,  8., 18.], dtype=float32)
     >>> aux.metrics
     Array([0., 2., 4., 6.], dtype=float32)
+
+    Clipped per-example gradients, two examples at a time (the DP-SGD sum):
+
+    >>> clip = lambda g: g * jnp.minimum(1.0, 1.0 / jnp.linalg.norm(g))
+    >>> grads, _ = micro_grad(mean_squared_loss, batch_argnums=(1, 2), microbatch_size=2,
+    ...                       transform_fn=clip)(params, features, targets)
+    >>> grads
+    Array([-3.], dtype=float32)
     """
     batch_nums = _arguments.ensure_index_tuple("batch_argnums", batch_argnums)
-    grad_nums = argnums if isinstance(argnums, int) else _arguments.ensure_index_tuple("argnums", argnums)
-    if isinstance(grad_nums, int):
-        _arguments.ensure_index_tuple("argnums", grad_nums)
+    grad_nums = _arguments.ensure_index_tuple("argnums", argnums)
     _arguments.BatchArguments.create(fun, batch_nums, (), 0)
     _arguments.BatchArguments.create(fun, grad_nums, (), 0)
     _accumulators.check_tree(accumulator)
     loss_and_aux = fun if has_aux else lambda *a, **k: (fun(*a, **k), None)
-    value_and_grad = jax.value_and_grad(loss_and_aux, grad_nums, has_aux=True)
+    value_and_grad = jax.value_and_grad(
+        loss_and_aux, argnums if isinstance(argnums, int) else grad_nums, has_aux=True
+    )
 
     def per_example(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         if keep_batch_dim:

@@ -56,11 +56,14 @@ def microbatch(
         arguments that do not fit them.
 
     >>> import jax.numpy as jnp
-    >>> fun = lambda x: (x * 10, jnp.sum(x))
-    >>> batched = microbatch(fun, argnums=0, microbatch_size=2,
-    ...                      accumulator=(AccumulationType.CONCAT, AccumulationType.SUM))
-    >>> batched(jnp.array([1, 2, 3, 4]))
-    (Array([10, 20, 30, 40], dtype=int32), Array(10, dtype=int32))
+    >>> fun = lambda x: (x + 1, jnp.sum(3 * x))
+    >>> data = jnp.array([1, 2, 3, 4])
+    >>> fun(data)
+    (Array([2, 3, 4, 5], dtype=int32), Array(30, dtype=int32))
+    >>> strategy = (AccumulationType.CONCAT, AccumulationType.SUM)
+    >>> microbatched_fun = microbatch(fun, argnums=0, microbatch_size=2, accumulator=strategy)
+    >>> microbatched_fun(data)
+    (Array([2, 3, 4, 5], dtype=int32), Array(30, dtype=int32))
     """
     size = _arguments.ensure_microbatch_size(microbatch_size)
     batch_arguments = _arguments.BatchArguments.create(fun, argnums, argnames, in_axes)

@@ -50,6 +50,8 @@ def micro_vmap(
       NotImplementedError: If ``out_axes`` is not 0.
 
     >>> import jax.numpy as jnp
+    >>> micro_vmap(lambda x: x**2)(jnp.arange(8))
+    Array([ 0,  1,  4,  9, 16, 25, 36, 49], dtype=int32)
     >>> micro_vmap(lambda x: x ** 2, microbatch_size=2)(jnp.arange(6))
     Array([ 0,  1,  4,  9, 16, 25], dtype=int32)
     >>> micro_vmap(lambda x: x ** 2, microbatch_size=2,
@@ -62,6 +64,7 @@ def micro_vmap(
             "with jnp.moveaxis."
         )
     size = _arguments.ensure_microbatch_size(microbatch_size)
+    _arguments.ensure_vmap_in_axes(in_axes)
     _accumulators.check_tree(accumulator)
     count = _arguments.ensure_count(num_real_microbatches)
     name = _arguments.function_name(fun)
@@ -81,6 +84,11 @@ def micro_vmap(
                     f"positional argument(s); give one entry per positional argument ({in_axes=})."
                 )
             argnums = tuple(i for i, ax in enumerate(axes) if ax is not None)
+            if not argnums and not kwargs:
+                raise ValueError(
+                    f"micro_vmap of {name} has nothing to map: {in_axes=} maps no positional "
+                    "argument and no keyword argument was passed; map at least one argument."
+                )
             looped = microbatch(
                 per_microbatch,
                 argnums=argnums,
