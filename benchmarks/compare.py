@@ -1,0 +1,402 @@
+"""Compares ``microbatching`` with ``optax.microbatching``, ``jax.lax.map``, a hand-written
+dynamic-slice ``fori_loop`` and the un-microbatched function, on the same workloads.
+
+All implementations of a workload are timed in one process, interleaved: every repetition
+calls each of them once, in an order that rotates from one repetition to the next, so
+drift in machine load affects all of them alike. See ``benchmarks/README.md``.
+
+Usage: ``python benchmarks/compare.py [--quick] [--reps N] [--output PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax  # benchmark-only dependency
+from optax import microbatching as optax_mb
+
+import microbatching as mb
+
+OURS = "microbatching"
+OPTAX = "optax.microbatching"
+LAX_MAP = "jax.lax.map"
+FORI = "fori_loop (dynamic slice)"
+WHOLE = "whole batch"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+Fn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One computation, written once per implementation, and its arguments."""
+
+    name: str
+    description: str
+    fns: dict[str, Fn]
+    args: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One implementation of a workload, compiled."""
+
+    name: str
+    compiled: jax.stages.Compiled
+    temp_mib: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The timings of one workload: seconds per call, per repetition, per implementation."""
+
+    workload: Workload
+    candidates: list[Candidate]
+    seconds: dict[str, list[float]]
+
+
+# --- Workloads a and b: a dense layer over a 32 MiB batch ------------------------------
+
+BATCH, FEATURES, HIDDEN, DENSE_MICROBATCH = 32768, 256, 256, 1024
+
+
+def _dense_args() -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(0), (BATCH, FEATURES), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (FEATURES, HIDDEN), jnp.float32) / 16
+    return x, w
+
+
+def _layer(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ w)
+
+
+def _layer_sum(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.sum(_layer(x, w))
+
+
+def _fori_sum(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Contiguous microbatches read with dynamic_slice, results summed in the carry."""
+    m = DENSE_MICROBATCH
+
+    def body(i: Any, total: jax.Array) -> jax.Array:
+        return total + _layer_sum(jax.lax.dynamic_slice_in_dim(x, i * m, m), w)
+
+    return jax.lax.fori_loop(0, x.shape[0] // m, body, jnp.zeros((), x.dtype))
+
+
+def _fori_concat(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Contiguous microbatches, results written into a preallocated output."""
+    m = DENSE_MICROBATCH
+
+    def body(i: Any, out: jax.Array) -> jax.Array:
+        rows = _layer(jax.lax.dynamic_slice_in_dim(x, i * m, m), w)
+        return jax.lax.dynamic_update_slice_in_dim(out, rows, i * m, 0)
+
+    out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+    return jax.lax.fori_loop(0, x.shape[0] // m, body, out)
+
+
+def _lax_map_sum(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.sum(jax.lax.map(lambda row: _layer_sum(row, w), x, batch_size=DENSE_MICROBATCH))
+
+
+def _lax_map_concat(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.map(lambda row: _layer(row, w), x, batch_size=DENSE_MICROBATCH)
+
+
+def reduction_workload() -> Workload:
+    """(a) ``microbatch`` with SUM of a reduction."""
+    m = DENSE_MICROBATCH
+    return Workload(
+        name="a. microbatch, SUM: sum(tanh(x @ W))",
+        description=f"x f32[{BATCH}, {FEATURES}] (32 MiB), W f32[{FEATURES}, {HIDDEN}], "
+        f"microbatch {m} ({BATCH // m} microbatches); lax.map maps rows, then sums.",
+        fns={
+            OURS: mb.microbatch(_layer_sum, argnums=0, microbatch_size=m),
+            OPTAX: optax_mb.microbatch(_layer_sum, argnums=0, microbatch_size=m),
+            LAX_MAP: _lax_map_sum,
+            FORI: _fori_sum,
+            WHOLE: _layer_sum,
+        },
+        args=_dense_args(),
+    )
+
+
+def concat_workload() -> Workload:
+    """(b) ``micro_vmap`` with CONCAT: a per-example output as large as the input."""
+    m = DENSE_MICROBATCH
+    return Workload(
+        name="b. micro_vmap, CONCAT: tanh(x @ W) per example",
+        description=f"x f32[{BATCH}, {FEATURES}] (32 MiB), output f32[{BATCH}, {HIDDEN}] "
+        f"(32 MiB), microbatch {m} ({BATCH // m} microbatches).",
+        fns={
+            OURS: mb.micro_vmap(_layer, in_axes=(0, None), microbatch_size=m),
+            OPTAX: optax_mb.micro_vmap(_layer, in_axes=(0, None), microbatch_size=m),
+            LAX_MAP: _lax_map_concat,
+            FORI: _fori_concat,
+            WHOLE: jax.vmap(_layer, in_axes=(0, None)),
+        },
+        args=_dense_args(),
+    )
+
+
+# --- Workload c: clipped per-example gradients of a small MLP --------------------------
+
+EXAMPLES, INPUTS, UNITS, CLASSES, GRAD_MICROBATCH = 2048, 64, 256, 10, 128
+
+Params = dict[str, jax.Array]
+
+
+def _mlp_args() -> tuple[Params, jax.Array, jax.Array]:
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(2), 4)
+    params = {
+        "w1": jax.random.normal(k1, (INPUTS, UNITS), jnp.float32) / 8,
+        "b1": jnp.zeros((UNITS,), jnp.float32),
+        "w2": jax.random.normal(k2, (UNITS, CLASSES), jnp.float32) / 16,
+        "b2": jnp.zeros((CLASSES,), jnp.float32),
+    }
+    x = jax.random.normal(k3, (EXAMPLES, INPUTS), jnp.float32)
+    y = jax.random.randint(k4, (EXAMPLES,), 0, CLASSES)
+    return params, x, y
+
+
+def _loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Softmax cross-entropy of a 64-256-10 MLP, averaged over the batch."""
+    hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
+    logits = hidden @ params["w2"] + params["b2"]
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _clip(grads: Params) -> Params:
+    """Scales a gradient to global norm at most 1."""
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+    scale = 1.0 / jnp.maximum(norm, 1.0)
+    return jax.tree.map(lambda g: g * scale, grads)
+
+
+def _example_grad(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
+    """The clipped gradient and the loss of one example, seen as a batch of one."""
+    value, grads = jax.value_and_grad(_loss)(params, x[None], y[None])
+    return _clip(grads), value
+
+
+_batch_grads = jax.vmap(_example_grad, in_axes=(None, 0, 0))
+
+
+def _sum_rows(tree: Params) -> Params:
+    return jax.tree.map(lambda g: jnp.sum(g, axis=0), tree)
+
+
+def _whole_grad(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
+    grads, values = _batch_grads(params, x, y)
+    return _sum_rows(grads), values
+
+
+def _lax_map_grad(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
+    def one(xy: tuple[jax.Array, jax.Array]) -> tuple[Params, jax.Array]:
+        return _example_grad(params, *xy)
+
+    grads, values = jax.lax.map(one, (x, y), batch_size=GRAD_MICROBATCH)
+    return _sum_rows(grads), values
+
+
+def _fori_grad(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
+    """Contiguous microbatches: vmap(grad) + clip + sum, losses into a preallocated array."""
+    m = GRAD_MICROBATCH
+
+    def body(i: Any, carry: tuple[Params, jax.Array]) -> tuple[Params, jax.Array]:
+        total, values = carry
+        xs, ys = (jax.lax.dynamic_slice_in_dim(a, i * m, m) for a in (x, y))
+        grads, losses = _batch_grads(params, xs, ys)
+        total = jax.tree.map(jnp.add, total, _sum_rows(grads))
+        return total, jax.lax.dynamic_update_slice_in_dim(values, losses, i * m, 0)
+
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(x.shape[:1], jnp.float32))
+    return jax.lax.fori_loop(0, x.shape[0] // m, body, init)
+
+
+def _values_only(grad_fn: Fn) -> Fn:
+    """Adapts a ``micro_grad`` function to return ``(grads, per-example losses)``."""
+
+    def adapted(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array]:
+        grads, aux = grad_fn(params, x, y)
+        return grads, aux.values
+
+    return adapted
+
+
+def grad_workload() -> Workload:
+    """(c) ``micro_grad`` with per-example clipping (the DP-SGD gradient)."""
+    m = GRAD_MICROBATCH
+    options: dict[str, Any] = {"batch_argnums": (1, 2), "microbatch_size": m}
+    return Workload(
+        name="c. micro_grad, per-example clipping, SUM",
+        description=f"MLP {INPUTS}-{UNITS}-{CLASSES}, softmax cross-entropy, batch {EXAMPLES}, "
+        f"microbatch {m} ({EXAMPLES // m} microbatches); each example's gradient is clipped "
+        "to norm 1, then summed. lax.map stacks all clipped gradients, then sums.",
+        fns={
+            OURS: _values_only(mb.micro_grad(_loss, transform_fn=_clip, **options)),
+            OPTAX: _values_only(optax_mb.micro_grad(_loss, transform_fn=_clip, **options)),
+            LAX_MAP: _lax_map_grad,
+            FORI: _fori_grad,
+            WHOLE: _whole_grad,
+        },
+        args=_mlp_args(),
+    )
+
+
+# --- Measurement ----------------------------------------------------------------------
+
+
+def compile_candidate(name: str, fn: Fn, args: Sequence[Any]) -> Candidate:
+    """Compiles ``fn`` for ``args`` and reads its temporary-buffer size."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    temp = float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+    return Candidate(name, compiled, temp)
+
+
+def check_agreement(candidates: Sequence[Candidate], args: Sequence[Any]) -> None:
+    """Fails unless every implementation returns what the whole-batch one returns."""
+    outputs = {c.name: c.compiled(*args) for c in candidates}
+    reference = jax.tree.leaves(outputs[WHOLE])
+    for name, output in outputs.items():
+        for got, want in zip(jax.tree.leaves(output), reference, strict=True):
+            want = np.asarray(want)
+            scale = float(np.max(np.abs(want))) if want.size else 1.0
+            np.testing.assert_allclose(
+                np.asarray(got), want, rtol=1e-3, atol=1e-4 * scale, err_msg=name
+            )
+
+
+def time_call(compiled: jax.stages.Compiled, args: Sequence[Any]) -> float:
+    """Seconds for one call, until its outputs are ready."""
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - start
+
+
+def interleaved(
+    candidates: Sequence[Candidate], args: Sequence[Any], reps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Calls every candidate once per repetition, starting each round one further along."""
+    seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
+    gc.collect()
+    gc.disable()
+    try:
+        for rep in range(warmup + reps):
+            shift = rep % len(candidates)
+            for candidate in [*candidates[shift:], *candidates[:shift]]:
+                elapsed = time_call(candidate.compiled, args)
+                if rep >= warmup:
+                    seconds[candidate.name].append(elapsed)
+    finally:
+        gc.enable()
+    return seconds
+
+
+def run_workload(workload: Workload, reps: int, warmup: int) -> Result:
+    """Compiles, checks and times every implementation of ``workload``."""
+    candidates = [compile_candidate(n, f, workload.args) for n, f in workload.fns.items()]
+    check_agreement(candidates, workload.args)
+    return Result(workload, candidates, interleaved(candidates, workload.args, reps, warmup))
+
+
+# --- Report ---------------------------------------------------------------------------
+
+
+def paired_ratio(times: Sequence[float], base: Sequence[float]) -> float:
+    """The median over repetitions of ``times[r] / base[r]`` (same round, so drift cancels)."""
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
+def table(result: Result) -> str:
+    """A markdown section: one row per implementation."""
+    ours = result.seconds[OURS]
+    temp = {c.name: c.temp_mib for c in result.candidates}
+    lines = [
+        f"## {result.workload.name}",
+        "",
+        result.workload.description,
+        "",
+        "| implementation | median ms | min ms | time / ours | temp MiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, times in result.seconds.items():
+        lines.append(
+            f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f} "
+            f"| {paired_ratio(times, ours):.2f} | {temp[name]:.1f} |"
+        )
+    versus_fori = paired_ratio(ours, result.seconds[FORI])
+    verdict = "within" if versus_fori <= 1.10 else "NOT within"
+    lines += [
+        "",
+        f"ours / fori_loop baseline: **{versus_fori:.2f}x** ({verdict} the 1.10x target); "
+        f"ours / optax: **{paired_ratio(ours, result.seconds[OPTAX]):.2f}x** time, "
+        f"{temp[OURS]:.1f} vs {temp[OPTAX]:.1f} MiB temp.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def header(reps: int, warmup: int) -> str:
+    """What ran, where and when."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    command = " ".join(["python", *sys.argv])
+    return "\n".join(
+        [
+            "# microbatching benchmarks",
+            "",
+            f"jax {jax.__version__}, optax {optax.__version__}, numpy {np.__version__}, "
+            f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, {now}, "
+            f"load average at start {load}.",
+            f"Command: `{command}`; {reps} interleaved repetitions after {warmup} warm-up "
+            "round(s). Times are wall-clock per call; see README.md for the columns.",
+            "",
+        ]
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="5 repetitions, no RESULTS.md")
+    parser.add_argument("--reps", type=int, help="timed repetitions (default 21, quick 5)")
+    parser.add_argument("--output", type=Path, help=f"markdown file (default {RESULTS})")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> None:
+    """Runs every workload and prints (and writes) the report."""
+    options = parse_args(argv)
+    reps = options.reps or (5 if options.quick else 21)
+    warmup = 1 if options.quick else 2
+    output = options.output or (None if options.quick else RESULTS)
+    start = time.perf_counter()
+    sections = [header(reps, warmup)]
+    print(sections[0], flush=True)
+    for make in (reduction_workload, concat_workload, grad_workload):
+        sections.append(table(run_workload(make(), reps, warmup)))
+        print(sections[-1], flush=True)
+    print(f"Total time: {time.perf_counter() - start:.0f} s.")
+    if output is not None:
+        output.write_text("\n".join(sections))
+        print(f"Wrote {output}.")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

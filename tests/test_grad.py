@@ -1,0 +1,118 @@
+"""``micro_grad`` against per-example ``jax.grad``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from microbatching import AccumulationType, Aux, micro_grad
+
+from .strategies import assert_close, microbatch_sizes, random_array
+
+
+def _loss(params, x, y):
+    """Softmax cross-entropy of a one-layer model on a batch (of one, when per example)."""
+    logits = jnp.tanh(x @ params["w"] + params["b"][None]) @ params["v"]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * y, axis=-1))
+
+
+def _problem(seed, rows):
+    params = {
+        "w": random_array(seed, (4, 5), jnp.float32),
+        "b": random_array(seed + 1, (5,), jnp.float32),
+        "v": random_array(seed + 2, (5, 3), jnp.float32),
+    }
+    x = random_array(seed + 3, (rows, 4), jnp.float32)
+    y = jax.nn.one_hot(jnp.arange(rows) % 3, 3)
+    return params, x, y
+
+
+def _clip(grads, bound=0.5):
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, bound / norm), grads)
+
+
+def _reference(params, x, y):
+    """Per-example values and gradients with jax.vmap(jax.value_and_grad)."""
+    return jax.vmap(jax.value_and_grad(lambda p, x, y: _loss(p, x[None], y[None])), (None, 0, 0))(
+        params, x, y
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 999), rows=st.sampled_from([1, 4, 6, 8]), data=st.data())
+def test_clipped_sum_matches_per_example_grad(seed, rows, data):
+    params, x, y = _problem(seed, rows)
+    size = data.draw(microbatch_sizes(rows))
+    kind = data.draw(st.sampled_from(list(AccumulationType)))
+    grad_fn = micro_grad(
+        _loss,
+        batch_argnums=(1, 2),
+        microbatch_size=size,
+        accumulator=kind,
+        transform_fn=_clip,
+        metrics_fn=lambda g: jnp.linalg.norm(g["v"]),
+    )
+    grads, aux = jax.jit(grad_fn)(params, x, y)
+    values, per_example = _reference(params, x, y)
+    clipped = jax.vmap(_clip)(per_example)
+    reduce = {
+        AccumulationType.SUM: lambda g: jnp.sum(g, 0),
+        AccumulationType.CONCAT: lambda g: g,
+    }.get(kind, lambda g: jnp.mean(g, 0))
+    jax.tree.map(lambda g, w: assert_close(g, reduce(w), jnp.float32, 8), grads, clipped)
+    assert_close(aux.values, values, jnp.float32)
+    assert_close(aux.metrics, jax.vmap(jnp.linalg.norm)(per_example["v"]), jnp.float32)
+    assert aux.aux is None
+
+
+def test_has_aux_and_several_argnums():
+    def loss(w, b, x):
+        pred = x @ w + b[None]
+        return jnp.sum(pred**2), {"pred": pred}
+
+    w, b, x = jnp.ones((3, 2)), jnp.zeros(2), jnp.arange(12.0).reshape(4, 3)
+    (gw, gb), aux = micro_grad(
+        loss, has_aux=True, argnums=(0, 1), batch_argnums=2, microbatch_size=2
+    )(w, b, x)
+    want_w, want_b = jax.grad(lambda w, b: loss(w, b, x)[0], (0, 1))(w, b)
+    np.testing.assert_allclose(gw, want_w, rtol=1e-6)
+    np.testing.assert_allclose(gb, want_b, rtol=1e-6)
+    assert isinstance(aux, Aux)
+    assert aux.aux["pred"].shape == (4, 1, 2)  # per example, each a batch of one
+
+
+def test_keep_batch_dim_false_passes_single_examples():
+    shapes = []
+
+    def loss(w, x):
+        shapes.append(x.shape)
+        return jnp.sum(w * x)
+
+    grads, _ = micro_grad(loss, keep_batch_dim=False, microbatch_size=2)(
+        jnp.ones(3), jnp.ones((4, 3))
+    )
+    np.testing.assert_allclose(grads, [4.0, 4.0, 4.0])
+    assert set(shapes) == {(3,)}
+
+
+def test_microbatch_size_none_is_the_whole_batch():
+    params, x, y = _problem(0, 6)
+    whole, _ = micro_grad(_loss, batch_argnums=(1, 2))(params, x, y)
+    looped, _ = micro_grad(_loss, batch_argnums=(1, 2), microbatch_size=2)(params, x, y)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), whole, looped)
+
+
+@pytest.mark.parametrize("count", [0, 2])
+def test_num_real_microbatches_skips_the_rest(count):
+    params, x, y = _problem(1, 8)
+    grads, aux = micro_grad(
+        _loss, batch_argnums=(1, 2), microbatch_size=2, num_real_microbatches=count
+    )(params, x, y)
+    values, per_example = _reference(params, x, y)
+    ran = np.arange(8) % 4 < count  # microbatch i holds rows i and i + 4
+    want = jax.tree.map(lambda g: jnp.sum(g[ran], 0), per_example)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grads, want)
+    np.testing.assert_allclose(aux.values, jnp.where(ran, values, 0.0), rtol=1e-6)
