@@ -25,24 +25,32 @@ X = jnp.ones((8, 3))
 
 @pytest.mark.parametrize("size", [0, -2])
 def test_microbatch_size_not_positive(size):
-    with pytest.raises(ValueError, match=f"microbatch_size must be a positive int, got microbatch_size={size}"):
+    with pytest.raises(
+        ValueError, match=f"microbatch_size must be a positive int, got microbatch_size={size}"
+    ):
         microbatch(pair, 0, size)
 
 
 @pytest.mark.parametrize("size", [2.0, "4", True])
 def test_microbatch_size_not_an_int(size):
-    with pytest.raises(TypeError, match=re.escape(f"microbatch_size must be a positive int or None, got {size!r}")):
+    with pytest.raises(
+        TypeError, match=re.escape(f"microbatch_size must be a positive int or None, got {size!r}")
+    ):
         microbatch(pair, 0, size)
 
 
 def test_argnums_out_of_range():
-    with pytest.raises(ValueError, match=r"argnums contains 2, out of range for pair\(x, y\) with 2 positional"):
+    with pytest.raises(
+        ValueError, match=r"argnums contains 2, out of range for pair\(x, y\) with 2 positional"
+    ):
         microbatch(pair, 2, 4)
 
 
 def test_argnums_not_ints():
-    with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints, got argnums='x'"):
-        microbatch(pair, "x", 4)
+    with pytest.raises(
+        TypeError, match="argnums must be an int or a sequence of ints, got argnums='x'"
+    ):
+        microbatch(pair, "x", 4)  # pyright: ignore[reportArgumentType]
 
 
 def test_argnums_repeated():
@@ -56,13 +64,17 @@ def test_negative_argnums_with_var_positional():
 
 
 def test_unknown_argnames():
-    with pytest.raises(ValueError, match=r"argnames contains 'z', which is not a keyword parameter of pair\(x, y\)"):
+    with pytest.raises(
+        ValueError, match=r"argnames contains 'z', which is not a keyword parameter of pair\(x, y\)"
+    ):
         microbatch(pair, (), 4, argnames="z")
 
 
 def test_argnames_not_strings():
-    with pytest.raises(TypeError, match=r"argnames must be a str or a sequence of str, got argnames=\(1,\)"):
-        microbatch(pair, (), 4, argnames=(1,))
+    with pytest.raises(
+        TypeError, match=r"argnames must be a str or a sequence of str, got argnames=\(1,\)"
+    ):
+        microbatch(pair, (), 4, argnames=(1,))  # pyright: ignore[reportArgumentType]
 
 
 def test_no_batch_argument_named():
@@ -71,27 +83,38 @@ def test_no_batch_argument_named():
 
 
 def test_argument_named_twice():
-    with pytest.raises(ValueError, match=r"Argument `x` of pair is named twice, by argnums \(0\) and by argnames"):
+    with pytest.raises(
+        ValueError, match=r"Argument `x` of pair is named twice, by argnums \(0\) and by argnames"
+    ):
         microbatch(pair, 0, 4, argnames="x")
 
 
 def test_in_axes_length_mismatch():
-    with pytest.raises(ValueError, match="in_axes has 3 entries but argnums=.* name 2 batch argument"):
+    with pytest.raises(
+        ValueError, match=r"in_axes has 3 entries but argnums=.* name 2 batch argument"
+    ):
         microbatch(pair, (0, 1), 4, in_axes=(0, 0, 0))
 
 
 def test_in_axes_wrong_type():
-    with pytest.raises(TypeError, match=r"in_axes\[1\] must be an int, None or a pytree of them, got 'a'"):
+    with pytest.raises(
+        TypeError, match=r"in_axes\[1\] must be an int, None or a pytree of them, got 'a'"
+    ):
         microbatch(pair, (0, 1), 4, in_axes=(0, "a"))
 
 
 def test_in_axes_outside_the_rank():
-    with pytest.raises(ValueError, match=r"in_axes gives axis 2 for batch argument `x` of shape \(8, 3\) \(rank 2\); use an axis in \[-2, 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_axes gives axis 2 for batch argument `x` of shape \(8, 3\) \(rank 2\); use an axis in \[-2, 2\)",
+    ):
         microbatch(pair, 0, 4, in_axes=2)(X, 1.0)
 
 
 def test_in_axes_not_a_prefix_of_the_argument():
-    with pytest.raises(ValueError, match=r"The in_axes entry \(0, 0\) for argument `x` is not a pytree prefix"):
+    with pytest.raises(
+        ValueError, match=r"The in_axes entry \(0, 0\) for argument `x` is not a pytree prefix"
+    ):
         microbatch(pair, 0, 4, in_axes=((0, 0),))({"a": X}, 1.0)
 
 
@@ -105,19 +128,28 @@ def test_unequal_batch_sizes_lists_every_argument():
 
 
 def test_batch_not_divisible():
-    with pytest.raises(ValueError, match=r"The batch size 8 is not divisible by microbatch_size=3; choose .* \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"The batch size 8 is not divisible by microbatch_size=3; choose .* \[1, 2, 4, 8\]",
+    ):
         microbatch(pair, 0, 3)(X, 1.0)
 
 
 def test_accumulator_not_a_prefix_of_the_output():
     fun = lambda x: (jnp.sum(x), x)  # noqa: E731
     acc = (AccumulationType.SUM, AccumulationType.CONCAT, AccumulationType.SUM)
-    with pytest.raises(ValueError, match="The accumulator structure .* is not a pytree prefix of fun's output structure"):
+    with pytest.raises(
+        ValueError,
+        match=r"The accumulator structure .* is not a pytree prefix of fun's output structure",
+    ):
         microbatch(fun, 0, 4, acc)(X)
 
 
 def test_accumulator_leaf_of_the_wrong_type():
-    with pytest.raises(TypeError, match="accumulator leaves must be AccumulationType or Accumulator, got 'sum' of type str"):
+    with pytest.raises(
+        TypeError,
+        match="accumulator leaves must be AccumulationType or Accumulator, got 'sum' of type str",
+    ):
         microbatch(pair, 0, 4, accumulator="sum")
 
 
@@ -128,49 +160,68 @@ def test_mean_of_integers(kind):
     with pytest.raises(ValueError, match=message):
         microbatch(fun, 0, 4, AccumulationType[kind])(jnp.ones(8, jnp.int32))
     with pytest.raises(ValueError, match=message):
-        micro_vmap(fun, microbatch_size=4, accumulator=AccumulationType[kind])(jnp.ones(8, jnp.int32))
+        micro_vmap(fun, microbatch_size=4, accumulator=AccumulationType[kind])(
+            jnp.ones(8, jnp.int32)
+        )
 
 
 @pytest.mark.parametrize("leaf", [3, [1.0, 2.0], "abc"])
 def test_batch_leaf_not_an_array(leaf):
-    with pytest.raises(TypeError, match="Batch argument `x.*` is a (int|float|str), not an array"):
+    with pytest.raises(TypeError, match=r"Batch argument `x.*` is a (int|float|str), not an array"):
         microbatch(pair, 0, 1)(leaf, 1.0)
 
 
 def test_static_num_real_microbatches_too_large():
-    with pytest.raises(ValueError, match="num_real_microbatches=5 exceeds the number of microbatches, 4; pass at most 4"):
+    with pytest.raises(
+        ValueError,
+        match="num_real_microbatches=5 exceeds the number of microbatches, 4; pass at most 4",
+    ):
         microbatch(pair, 0, 2, num_real_microbatches=5)(X, 1.0)
 
 
 def test_num_real_microbatches_negative():
-    with pytest.raises(ValueError, match="num_real_microbatches must be non-negative, got num_real_microbatches=-1"):
+    with pytest.raises(
+        ValueError, match="num_real_microbatches must be non-negative, got num_real_microbatches=-1"
+    ):
         microbatch(pair, 0, 2, num_real_microbatches=-1)
 
 
 def test_num_real_microbatches_not_an_integer():
-    with pytest.raises(TypeError, match="num_real_microbatches must be None, an int or an integer scalar array"):
+    with pytest.raises(
+        TypeError, match="num_real_microbatches must be None, an int or an integer scalar array"
+    ):
         microbatch(pair, 0, 2, num_real_microbatches=jnp.float32(2))
 
 
 def test_missing_batch_argument_at_call():
-    with pytest.raises(TypeError, match="argnums includes 1, but pair was called with 1 positional argument.* and no keyword argument `y`"):
+    with pytest.raises(
+        TypeError,
+        match=r"argnums includes 1, but pair was called with 1 positional argument.* and no keyword argument `y`",
+    ):
         microbatch(pair, 1, 2)(X)
-    with pytest.raises(TypeError, match=r"argnames includes 'y', but pair was called without it \(keyword arguments given: \[\]\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"argnames includes 'y', but pair was called without it \(keyword arguments given: \[\]\)",
+    ):
         microbatch(pair, (), 2, argnames="y")(X)
 
 
 def test_not_callable():
     with pytest.raises(TypeError, match="fun must be callable, got 3"):
-        microbatch(3, 0, 2)  # type: ignore[arg-type]
+        microbatch(3, 0, 2)  # pyright: ignore[reportArgumentType]
 
 
 def test_micro_vmap_out_axes():
-    with pytest.raises(NotImplementedError, match="micro_vmap supports only out_axes=0, got out_axes=1"):
+    with pytest.raises(
+        NotImplementedError, match="micro_vmap supports only out_axes=0, got out_axes=1"
+    ):
         micro_vmap(jnp.sin, out_axes=1)
 
 
 def test_micro_vmap_in_axes_length_differs_from_the_call():
-    with pytest.raises(ValueError, match=r"in_axes has 1 entries but add was called with 2 positional argument"):
+    with pytest.raises(
+        ValueError, match=r"in_axes has 1 entries but add was called with 2 positional argument"
+    ):
         micro_vmap(jnp.add, (0,), microbatch_size=2)(X, X)
 
 
@@ -180,7 +231,10 @@ def test_micro_vmap_nothing_to_map():
 
 
 def test_micro_vmap_in_axes_wrong_type():
-    with pytest.raises(TypeError, match="in_axes must be an int or a sequence with one entry per positional argument"):
+    with pytest.raises(
+        TypeError,
+        match="in_axes must be an int or a sequence with one entry per positional argument",
+    ):
         micro_vmap(jnp.sin, "0")
 
 
@@ -190,12 +244,17 @@ def test_micro_grad_batch_argnums_out_of_range():
 
 
 def test_micro_grad_called_without_the_batch():
-    with pytest.raises(TypeError, match=r"batch_argnums=1 but pair was called with 1 positional argument"):
+    with pytest.raises(
+        TypeError, match=r"batch_argnums=1 but pair was called with 1 positional argument"
+    ):
         micro_grad(pair)(X)
 
 
 def test_reshape_batch_axis_not_divisible():
-    with pytest.raises(ValueError, match=r"The batch axis 0 of a leaf of shape \(8, 3\) is not divisible by microbatch_size=3"):
+    with pytest.raises(
+        ValueError,
+        match=r"The batch axis 0 of a leaf of shape \(8, 3\) is not divisible by microbatch_size=3",
+    ):
         reshape_batch_axis(X, 3)
 
 

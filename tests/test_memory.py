@@ -16,7 +16,10 @@ MICROBATCH = 128
 
 
 def _temp_bytes(fun, *args) -> int:
-    return jax.jit(fun).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    analysis = jax.jit(fun).lower(*args).compile().memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend gives no memory analysis")
+    return analysis.temp_size_in_bytes
 
 
 def _batch(rows: int) -> jax.ShapeDtypeStruct:

@@ -45,9 +45,9 @@ def test_microbatch_matches_optax(seed, rows, kind, data):
     size = data.draw(microbatch_sizes(rows))
     count = data.draw(st.sampled_from([None, *range(1, rows // size + 1)]))
     results = [
-        m.microbatch(
-            _fun, (1, 2), size, _accumulators(m, kind), num_real_microbatches=count
-        )(jnp.float32(0.5), x, y)
+        m.microbatch(_fun, (1, 2), size, _accumulators(m, kind), num_real_microbatches=count)(
+            jnp.float32(0.5), x, y
+        )
         for m in (microbatching, optax_mb)
     ]
     jax.tree.map(_close, *results)

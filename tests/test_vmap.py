@@ -29,10 +29,14 @@ def _per_example(x, w):
 @given(data=st.data(), case=batches())
 def test_matches_jax_vmap_for_every_accumulator(data, case):
     x, axis = case
-    kinds = list(AccumulationType) if x.dtype in FLOATS else [
-        AccumulationType.SUM,
-        AccumulationType.CONCAT,
-    ]
+    kinds = (
+        list(AccumulationType)
+        if x.dtype in FLOATS
+        else [
+            AccumulationType.SUM,
+            AccumulationType.CONCAT,
+        ]
+    )
     kind = data.draw(st.sampled_from(kinds))
     size = data.draw(microbatch_sizes(x.shape[axis]))
     w = jnp.asarray(0.5, x.dtype)

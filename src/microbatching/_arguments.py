@@ -139,7 +139,9 @@ class _Signature:
         kind = inspect.Parameter
         return cls(
             positional=tuple(
-                p.name for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+                p.name
+                for p in params
+                if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
             ),
             positional_only=frozenset(p.name for p in params if p.kind == kind.POSITIONAL_ONLY),
             keyword=frozenset(
@@ -310,7 +312,10 @@ class BatchArguments:
             leaves += [leaf for _, leaf in arg_leaves]
             labels += [label + jax.tree_util.keystr(path) for path, _ in arg_leaves]
             axes += _axes_per_leaf(specs.get(where), arg, label)
-        axes = [_normalise_axis(ax, leaf, lab) for ax, leaf, lab in zip(axes, leaves, labels, strict=True)]
+        axes = [
+            _normalise_axis(ax, leaf, lab)
+            for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
+        ]
         size = _batch_size(axes, leaves, labels)
         treedef = jax.tree.structure((args, kwargs))
         return Batch(treedef, tuple(leaves), tuple(axes), size)
@@ -365,7 +370,11 @@ def _normalise_axis(axis: int | None, leaf: Any, label: str) -> int | None:
 
 
 def _batch_size(axes: list[int | None], leaves: list[Any], labels: list[str]) -> int:
-    found = [(lab, ax, leaf.shape) for ax, leaf, lab in zip(axes, leaves, labels, strict=True) if ax is not None]
+    found = [
+        (lab, ax, leaf.shape)
+        for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
+        if ax is not None
+    ]
     if not found:
         raise ValueError(
             "No batch argument has an array leaf, so there is no batch axis to split; "

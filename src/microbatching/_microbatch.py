@@ -81,32 +81,29 @@ def microbatch(
     return microbatched
 
 
-def _loop(
-    fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, count: Count
-) -> Any:
+def _loop(fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, count: Count) -> Any:
     """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop."""
     n = _arguments.num_microbatches(batch.size, size)
     acc = _accumulators.combine(accumulator, n)
-    where = [i for i, axis in enumerate(batch.axes) if axis is not None]
-    axes = [batch.axes[i] for i in where]
+    batched = [(i, axis) for i, axis in enumerate(batch.axes) if axis is not None]
 
     def call(microbatch_leaves: list[Any]) -> Any:
         leaves = list(batch.leaves)
-        for i, leaf in zip(where, microbatch_leaves, strict=True):
+        for (i, _), leaf in zip(batched, microbatch_leaves, strict=True):
             leaves[i] = leaf
         args, kwargs = batch.rebuild(leaves)
         return fun(*args, **kwargs)
 
-    structs = [_layout.microbatch_struct(batch.leaves[i], ax, size) for i, ax in zip(where, axes)]
+    structs = [_layout.microbatch_struct(batch.leaves[i], ax, size) for i, ax in batched]
     jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
     run, out_tree = jaxpr_as_fun(jaxpr), jax.tree.structure(out_shape)
     carry = acc.init(out_shape)
     if n == 0:
         return acc.finalize(carry)
-    views = [_layout.split(batch.leaves[i], ax, size) for i, ax in zip(where, axes)]
+    views = [(_layout.split(batch.leaves[i], ax, size), ax) for i, ax in batched]
 
     def body(index: Any, carry: Any) -> Any:
-        microbatch_leaves = [_layout.take(v, ax, index) for v, ax in zip(views, axes)]
+        microbatch_leaves = [_layout.take(view, ax, index) for view, ax in views]
         return acc.update(carry, out_tree.unflatten(run(*microbatch_leaves)), index)
 
     return acc.finalize(jax.lax.fori_loop(0, _arguments.real_count(count, n), body, carry))

@@ -13,7 +13,7 @@ PyTreeFn: TypeAlias = Callable[[PyTree], PyTree]
 UpdateFn: TypeAlias = Callable[[PyTree, PyTree, Any], PyTree]
 VmapFn: TypeAlias = Callable[[Function, Any, Any], Function]
 
-AxisSpec: TypeAlias = int | None | PyTree
+AxisSpec: TypeAlias = int | PyTree | None
 """The batch axis of one argument: an int, None (not batched) or a pytree prefix of them."""
 
 InAxes: TypeAlias = int | Sequence[AxisSpec]
