@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _sharding
 from ._typing import PyTree, PyTreeFn, UpdateFn
 
 
@@ -102,11 +103,20 @@ def _inexact(kind: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _zeros(struct: Any) -> jax.Array:
-    return jnp.zeros(struct.shape, struct.dtype)
+    return _full(struct, 0)
+
+
+def _full(struct: Any, value: float, shape: tuple[int, ...] | None = None, spec=None) -> jax.Array:
+    """An array like ``struct`` (keeping an explicit sharding, or ``spec`` on it) filled."""
+    sharding = _sharding.explicit_sharding(struct)
+    if sharding is not None and spec is not None:
+        sharding = _sharding.with_spec(sharding, spec)
+    shape = struct.shape if shape is None else shape
+    return jnp.full(shape, value, struct.dtype, out_sharding=sharding)
 
 
 def _nans(struct: Any) -> jax.Array:
-    return jnp.full(struct.shape, jnp.nan, struct.dtype)
+    return _full(struct, jnp.nan)
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
@@ -153,8 +163,12 @@ def concat(num_microbatches: int) -> Accumulator:
     n = num_microbatches
 
     def init(s: Any) -> jax.Array:
-        shape = (n,) if not s.shape else (s.shape[0], n, *s.shape[1:])
-        return jnp.zeros(shape, s.dtype)
+        if not s.shape:
+            return _full(s, 0, (n,), [None])
+        sharding = _sharding.explicit_sharding(s)
+        spec = None if sharding is None else _sharding.spec_of(sharding, len(s.shape))
+        spec = None if spec is None else [spec[0], None, *spec[1:]]
+        return _full(s, 0, (s.shape[0], n, *s.shape[1:]), spec)
 
     def update(carry: jax.Array, x: jax.Array, i: Any) -> jax.Array:
         axis = 1 if x.ndim else 0

@@ -222,6 +222,7 @@ class Batch:
     treedef: Any
     leaves: tuple[Any, ...]
     axes: tuple[int | None, ...]
+    labels: tuple[str, ...]
     size: int
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -318,7 +319,7 @@ class BatchArguments:
         ]
         size = _batch_size(axes, leaves, labels)
         treedef = jax.tree.structure((args, kwargs))
-        return Batch(treedef, tuple(leaves), tuple(axes), size)
+        return Batch(treedef, tuple(leaves), tuple(axes), tuple(labels), size)
 
 
 def _normalise_argnums(nums: tuple[int, ...], sig: _Signature | None, name: str) -> tuple[int, ...]:

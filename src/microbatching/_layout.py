@@ -11,16 +11,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _sharding
 from ._arguments import ensure_microbatch_size
 from ._typing import PyTree
 
 
-def split(leaf: Any, axis: int, microbatch_size: int) -> jax.Array:
-    """Views ``leaf``'s batch axis as ``(microbatch_size, num_microbatches)``."""
+def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Array:
+    """Views ``leaf``'s batch axis as ``(microbatch_size, num_microbatches)``.
+
+    Under an Explicit mesh the batch axis's sharding moves to the ``microbatch_size``
+    axis, which needs ``microbatch_size`` to be a multiple of the number of shards.
+    """
     shape = leaf.shape
-    return jnp.reshape(
-        leaf, (*shape[:axis], microbatch_size, shape[axis] // microbatch_size, *shape[axis + 1 :])
-    )
+    new_shape = (*shape[:axis], microbatch_size, shape[axis] // microbatch_size, *shape[axis + 1 :])
+    sharding = _sharding.explicit_sharding(leaf)
+    if sharding is None:
+        return jnp.reshape(leaf, new_shape)
+    spec = _sharding.spec_of(sharding, len(shape))
+    shards = _sharding.num_shards(sharding, spec[axis])
+    if microbatch_size % shards:
+        raise ValueError(
+            f"{microbatch_size=} is not a multiple of the {shards} shards of the batch axis of "
+            f"`{label}` (sharded over mesh axis {spec[axis]!r}), so each microbatch would need "
+            f"rows from other devices; use a microbatch_size divisible by {shards}."
+        )
+    out = _sharding.with_spec(sharding, [*spec[:axis], spec[axis], None, *spec[axis + 1 :]])
+    return jnp.reshape(leaf, new_shape, out_sharding=out)
 
 
 def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
@@ -29,9 +45,9 @@ def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
 
 
 def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of one microbatch of ``leaf``."""
+    """The shape, dtype and (explicit) sharding of one microbatch of ``leaf``."""
     shape = (*leaf.shape[:axis], microbatch_size, *leaf.shape[axis + 1 :])
-    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_sharding.explicit_sharding(leaf))
 
 
 def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyTree:

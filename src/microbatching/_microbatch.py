@@ -100,7 +100,7 @@ def _loop(fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, c
     carry = acc.init(out_shape)
     if n == 0:
         return acc.finalize(carry)
-    views = [(_layout.split(batch.leaves[i], ax, size), ax) for i, ax in batched]
+    views = [(_layout.split(batch.leaves[i], ax, size, batch.labels[i]), ax) for i, ax in batched]
 
     def body(index: Any, carry: Any) -> Any:
         microbatch_leaves = [_layout.take(view, ax, index) for view, ax in views]

@@ -1,0 +1,36 @@
+"""What the transforms need to know about explicit sharding (``AxisType.Explicit`` meshes).
+
+Under an Auto mesh (or none) JAX's sharding propagation places every intermediate
+itself, and nothing here applies. Under an Explicit mesh the sharding is part of each
+array's type, so the views, microbatches and buffers the transforms build must state it.
+"""
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def explicit_sharding(x: Any) -> NamedSharding | None:
+    """The sharding of an array, tracer or ShapeDtypeStruct if its mesh has Explicit axes."""
+    sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+        return sharding
+    return None
+
+
+def spec_of(sharding: NamedSharding, ndim: int) -> list[Any]:
+    """The partition spec as a list with one entry per axis."""
+    spec = list(sharding.spec)
+    return spec + [None] * (ndim - len(spec))
+
+
+def with_spec(sharding: NamedSharding, spec: list[Any]) -> NamedSharding:
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def num_shards(sharding: NamedSharding, entry: Any) -> int:
+    """How many pieces a spec entry (None, a mesh axis name or a tuple of them) cuts an axis into."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(sharding.mesh.shape[name] for name in names)
