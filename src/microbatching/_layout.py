@@ -87,6 +87,6 @@ def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyT
                 f"The batch axis {axis} of a leaf of shape {leaf.shape} is not divisible by "
                 f"{microbatch_size=}; choose a microbatch_size that divides {leaf.shape[ax]}."
             )
-        return jnp.moveaxis(split(jnp.asarray(leaf), ax, size), ax + 1, ax)
+        return jnp.moveaxis(split(jnp.asarray(leaf), ax, size, "tree"), ax + 1, ax)
 
     return jax.tree.map(reshape, tree)

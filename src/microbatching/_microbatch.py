@@ -94,13 +94,13 @@ def _loop(fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, c
         args, kwargs = batch.rebuild(leaves)
         return fun(*args, **kwargs)
 
+    views = [(_layout.split(batch.leaves[i], ax, size, batch.labels[i]), ax) for i, ax in batched]
     structs = [_layout.microbatch_struct(batch.leaves[i], ax, size) for i, ax in batched]
     jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
     run, out_tree = jaxpr_as_fun(jaxpr), jax.tree.structure(out_shape)
     carry = acc.init(out_shape)
     if n == 0:
         return acc.finalize(carry)
-    views = [(_layout.split(batch.leaves[i], ax, size, batch.labels[i]), ax) for i, ax in batched]
 
     def body(index: Any, carry: Any) -> Any:
         microbatch_leaves = [_layout.take(view, ax, index) for view, ax in views]

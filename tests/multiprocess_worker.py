@@ -1,0 +1,180 @@
+"""One process of the multi-process ``micro_grad`` test (``test_multiprocess.py``).
+
+Run one copy per process, each with its own ``--process-id``::
+
+    python tests/multiprocess_worker.py --process-id 0 --num-processes 2 --port 12345 --out p0.json
+    python tests/multiprocess_worker.py --process-id 1 --num-processes 2 --port 12345 --out p1.json
+
+Each process owns ``--local-devices`` CPU devices and the rows of the global batch that
+land on them. Together they run one jitted DP-SGD-style ``micro_grad`` step (clip every
+per-example gradient to norm ``CLIP_NORM``, sum) over a mesh of all global devices, and
+each writes the gathered results and the collectives of the compiled program to its
+``--out`` JSON file.
+
+Importing this module has no side effects (the test imports the problem definition from
+it); JAX is configured and initialised only in ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from microbatching import micro_grad
+
+BATCH_SIZE = 32
+MICROBATCH_SIZE = 8
+NUM_FEATURES = 6
+HIDDEN = 5
+NUM_CLASSES = 3
+CLIP_NORM = 1.0
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+Params = dict[str, Any]
+
+
+def make_problem() -> tuple[Params, np.ndarray, np.ndarray]:
+    """The deterministic parameters and global batch ``(params, x, y)``, as NumPy arrays.
+
+    >>> params, x, y = make_problem()
+    >>> x.shape, y.shape, sorted(params)
+    ((32, 6), (32,), ['b', 'v', 'w'])
+    """
+    rng = np.random.default_rng(0)
+    params = {
+        "w": rng.normal(size=(NUM_FEATURES, HIDDEN)).astype(np.float32),
+        "b": rng.normal(size=(HIDDEN,)).astype(np.float32),
+        "v": rng.normal(size=(HIDDEN, NUM_CLASSES)).astype(np.float32),
+    }
+    # Row scales from 0.01 to 3 so that some per-example gradients are clipped and some not.
+    scale = np.geomspace(0.01, 3.0, BATCH_SIZE, dtype=np.float32)[:, None]
+    x = (rng.normal(size=(BATCH_SIZE, NUM_FEATURES)) * scale).astype(np.float32)
+    y = (np.arange(BATCH_SIZE) % NUM_CLASSES).astype(np.int32)
+    return params, x, y
+
+
+def loss_fn(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean cross-entropy of a one-hidden-layer MLP on a batch."""
+    hidden = jnp.tanh(x @ params["w"] + params["b"][None])
+    log_probs = jax.nn.log_softmax(hidden @ params["v"])
+    return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of all leaves of a pytree taken together."""
+    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(tree)))
+
+
+def clip(tree: Any) -> Any:
+    """Scales a pytree so that its global L2 norm is at most ``CLIP_NORM``."""
+    scale = jnp.minimum(1.0, CLIP_NORM / jnp.maximum(global_norm(tree), 1e-12))
+    return jax.tree.map(lambda leaf: leaf * scale, tree)
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """How many instructions of each collective kind the HLO text has (async pairs once).
+
+    >>> count_collectives("%all-reduce.1 = f32[3]{0} all-reduce(f32[3]{0} %p), to_apply=%add")
+    {'all-gather': 0, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 1, 'reduce-scatter': 0}
+    """
+    return {
+        op: len(re.findall(rf"(?<![%\w.-]){re.escape(op)}(?:-start)?\(", hlo)) for op in COLLECTIVES
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command-line flags."""
+    parser = argparse.ArgumentParser(description="One process of the multi-process test.")
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="coordinator port on 127.0.0.1")
+    parser.add_argument("--out", required=True, help="JSON file to write the results to")
+    parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--axis-type", choices=("auto", "explicit"), default="auto")
+    parser.add_argument("--timeout", type=int, default=60, help="initialization timeout (s)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Initialises JAX across processes, runs the step and returns this process's results."""
+    # Both must be set before the CPU backend is created.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.local_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.timeout,
+    )
+    axis_type = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[args.axis_type]
+    num_devices = jax.device_count()
+    mesh = jax.make_mesh((num_devices,), ("data",), axis_types=(axis_type,))
+    batch_sharding = NamedSharding(mesh, P("data"))
+    replicated = NamedSharding(mesh, P())
+
+    params_np, x_np, y_np = make_problem()
+    rows = BATCH_SIZE // args.num_processes
+    local = slice(args.process_id * rows, (args.process_id + 1) * rows)
+    x = jax.make_array_from_process_local_data(batch_sharding, x_np[local])
+    y = jax.make_array_from_process_local_data(batch_sharding, y_np[local])
+    params = jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(replicated, a), params_np
+    )
+
+    grads_fn = micro_grad(
+        loss_fn,
+        batch_argnums=(1, 2),
+        microbatch_size=MICROBATCH_SIZE,
+        transform_fn=clip,
+        metrics_fn=global_norm,
+    )
+
+    def step(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array, jax.Array]:
+        grads, aux = grads_fn(params, x, y)
+        return grads, aux.values, aux.metrics
+
+    with jax.set_mesh(mesh):
+        step_jit: Callable[..., Any] = jax.jit(step)
+        compiled = step_jit.lower(params, x, y).compile()
+        grads, values, norms = compiled(params, x, y)
+        host = multihost_utils.process_allgather((grads, values, norms), tiled=True)
+    host_grads, host_values, host_norms = host
+    return {
+        "process_id": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": num_devices,
+        "local_device_count": jax.local_device_count(),
+        "x_shard_shapes": [list(s.data.shape) for s in x.addressable_shards],
+        "grads_sharding": str(jax.tree.leaves(grads)[0].sharding),
+        "norms_sharding": str(norms.sharding),
+        "collectives": count_collectives(compiled.as_text() or ""),
+        "grads": {k: np.asarray(v).tolist() for k, v in host_grads.items()},
+        "values": np.asarray(host_values).tolist(),
+        "norms": np.asarray(host_norms).tolist(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs one process and writes its results to ``--out``."""
+    args = parse_args(argv)
+    try:
+        result = run(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    finally:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

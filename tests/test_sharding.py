@@ -1,0 +1,151 @@
+"""On a device mesh: no batch data moves between devices, and results match one device.
+
+The tests run on 8 fake CPU devices (see conftest.py) with Auto and Explicit axis types.
+Collective counts are read from the compiled HLO text.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch, reshape_batch_axis
+
+from .strategies import random_array
+
+MOVES_DATA = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
+W = random_array(0, (16, 16), jnp.float32) / 4
+X = random_array(1, (256, 16), jnp.float32)
+
+
+def collectives(fun, *args) -> dict[str, int]:
+    """How many collectives of each kind the compiled HLO holds."""
+    text = jax.jit(fun).lower(*args).compile().as_text()
+    kinds = (*MOVES_DATA, "all-reduce")
+    return {k: len(re.findall(rf"\s{k}(-start)?\(", text)) for k in kinds}
+
+
+def _mesh(axis_type, shape=(8,), names=("data",)):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _rows(x):
+    return jnp.tanh(x @ W)
+
+
+def _reduced(x):
+    return jnp.sum(jnp.tanh(x @ W), axis=0)
+
+
+def _transform(kind, which):
+    if which == "microbatch":
+        return microbatch(_rows if kind is AccumulationType.CONCAT else _reduced, 0, 16, kind)
+    return micro_vmap(_rows, microbatch_size=16, accumulator=kind)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+@pytest.mark.parametrize("kind", list(AccumulationType), ids=lambda k: k.name)
+@pytest.mark.parametrize("which", ["microbatch", "micro_vmap"])
+def test_transforms_on_a_mesh_move_no_batch_data(axis_type, kind, which):
+    mesh = _mesh(axis_type)
+    fun = _transform(kind, which)
+    want = jax.jit(fun)(X)  # on one device
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        got = jax.jit(fun)(x)
+        counts = collectives(fun, x)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
+    if kind is AccumulationType.CONCAT:
+        assert counts["all-reduce"] == 0
+        assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), got.ndim)
+    else:
+        assert counts["all-reduce"] == 1
+
+
+def _clip(grads):
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / norm), grads)
+
+
+def _loss(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"]) ** 2) + jnp.sum(params["b"] ** 2)
+
+
+def _reference_grads(params, x):
+    per_example = jax.vmap(jax.grad(lambda p, x: _loss(p, x[None])), (None, 0))(params, x)
+    return jax.tree.map(lambda g: jnp.sum(g, 0), jax.vmap(_clip)(per_example))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+@pytest.mark.parametrize(
+    ("mesh_shape", "names"), [((8,), ("data",)), ((2, 4), ("data", "model"))], ids=["1d", "2d"]
+)
+def test_clipped_micro_grad_with_replicated_params(axis_type, mesh_shape, names):
+    mesh = _mesh(axis_type, mesh_shape, names)
+    params = {"w": W, "b": jnp.ones(16)}
+    grad_fn = micro_grad(
+        _loss, microbatch_size=16, transform_fn=_clip, metrics_fn=lambda g: jnp.sum(g["w"])
+    )
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        replicated = jax.device_put(params, NamedSharding(mesh, P()))
+        grads, aux = jax.jit(grad_fn)(replicated, x)
+        counts = collectives(grad_fn, replicated, x)
+    want = _reference_grads(params, X)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), grads, want)
+    assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
+    assert counts["all-reduce"] == 1
+    for per_example in (aux.values, aux.metrics):
+        assert per_example.shape == (256,)
+        assert per_example.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 1)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_batch_axis_other_than_zero_on_a_mesh(axis_type):
+    mesh = _mesh(axis_type)
+    fun = microbatch(lambda x: jnp.tanh(x), 0, 16, AccumulationType.SUM, in_axes=1)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X.T, NamedSharding(mesh, P(None, "data")))
+        got = jax.jit(fun)(x)
+        counts = collectives(fun, x)
+    np.testing.assert_allclose(got, microbatch(jnp.tanh, 0, 16, in_axes=1)(X.T), rtol=1e-5)
+    assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
+
+
+def test_explicit_microbatch_size_not_a_multiple_of_the_shards():
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        with pytest.raises(
+            ValueError,
+            match=r"microbatch_size=4 is not a multiple of the 8 shards of the batch axis of `x` "
+            r"\(sharded over mesh axis 'data'\).*use a microbatch_size divisible by 8",
+        ):
+            jax.jit(microbatch(lambda x: jnp.sum(x), 0, 4))(x)
+
+
+def test_auto_microbatch_size_not_a_multiple_of_the_shards_is_still_correct():
+    mesh = _mesh(AxisType.Auto)
+    fun = micro_vmap(_rows, microbatch_size=4)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        got = jax.jit(fun)(x)
+    np.testing.assert_allclose(got, _rows(X), rtol=1e-5, atol=1e-6)
+
+
+def test_reshape_batch_axis_keeps_the_sharding_on_the_microbatch_axis():
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(X, NamedSharding(mesh, P("data")))
+        got = jax.jit(lambda x: reshape_batch_axis(x, 16))(x)
+        counts = collectives(lambda x: reshape_batch_axis(x, 16), x)
+    assert got.shape == (16, 16, 16)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data")), 3)
+    np.testing.assert_array_equal(got, reshape_batch_axis(X, 16))
+    assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
