@@ -103,7 +103,10 @@ def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
     """Independent N(0, std^2) noise with the structure and shapes of ``tree``."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
-    noise = [std * jax.random.normal(k, leaf.shape, leaf.dtype) for k, leaf in zip(keys, leaves)]
+    noise = [
+        std * jax.random.normal(k, leaf.shape, leaf.dtype)
+        for k, leaf in zip(keys, leaves, strict=True)
+    ]
     return jax.tree.unflatten(treedef, noise)
 
 
@@ -133,8 +136,9 @@ def make_step(batch_size: int, microbatch_size: int | None) -> Step:
 
 
 def temp_mib(compiled: jax.stages.Compiled) -> float:
-    """The temporary buffer size of a compiled program, in MiB."""
-    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+    """The temporary buffer size of a compiled program, in MiB (NaN if not reported)."""
+    analysis = compiled.memory_analysis()
+    return float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
 
 
 def accuracy(params: Params, x: jax.Array, y: jax.Array) -> float:
@@ -142,7 +146,9 @@ def accuracy(params: Params, x: jax.Array, y: jax.Array) -> float:
     return float(jnp.mean(jnp.argmax(logits(params, x), axis=1) == y))
 
 
-def train(step: jax.stages.Compiled, params: Params, data: Data, key: jax.Array, steps: int):
+def train(
+    step: jax.stages.Compiled, params: Params, data: Data, key: jax.Array, steps: int
+) -> Params:
     """Runs ``steps`` compiled DP-SGD steps under a progress bar; returns the parameters."""
     bar = tqdm(
         range(steps),
@@ -153,19 +159,21 @@ def train(step: jax.stages.Compiled, params: Params, data: Data, key: jax.Array,
     )
     for index in bar:
         params, losses, norms = step(params, data.x_train, data.y_train, key, np.int32(index))
-        bar.set_postfix(
-            loss=f"{float(jnp.mean(losses)):.3f}",
-            clipped=f"{float(jnp.mean(norms > CLIP_NORM)):.0%}",
-            refresh=False,
-        )
+        stats = {
+            "loss": f"{float(jnp.mean(losses)):.3f}",
+            "clipped": f"{float(jnp.mean(norms > CLIP_NORM)):.0%}",
+        }
+        bar.set_postfix(stats, refresh=False)
     bar.close()
     return params
 
 
 def parse_args() -> argparse.Namespace:
     """The command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
     parser.add_argument("--batch-size", type=int, default=4096, help="examples per step")
     parser.add_argument("--microbatch-size", type=int, default=128, help="examples per microbatch")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and sampling")
@@ -180,8 +188,11 @@ def main() -> None:
     params = init_params(init_key, data.x_train.shape[1])
     example = (params, data.x_train, data.y_train, train_key, np.int32(0))
     print(f"digits: {len(data.x_train)} train / {len(data.x_test)} test examples, 64 features")
-    print(f"DP-SGD: batch {args.batch_size} (sampled with replacement), clip C={CLIP_NORM}, "
-          f"noise sigma={NOISE_MULTIPLIER}, lr={LEARNING_RATE}, {args.steps} steps")
+    print(
+        f"DP-SGD: {args.steps} steps of {args.batch_size} examples (sampled with replacement), "
+        f"{args.batch_size // args.microbatch_size} microbatches of {args.microbatch_size}"
+    )
+    print(f"        clip C={CLIP_NORM}, noise sigma={NOISE_MULTIPLIER}, lr={LEARNING_RATE}")
 
     start = time.perf_counter()
     step = jax.jit(make_step(args.batch_size, args.microbatch_size)).lower(*example).compile()
@@ -189,14 +200,17 @@ def main() -> None:
     whole = jax.jit(make_step(args.batch_size, None)).lower(*example).compile()
     micro_mib, whole_mib = temp_mib(step), temp_mib(whole)
     print("compiled temp memory of one step:")
-    print(f"  microbatch_size={args.microbatch_size:<5} {micro_mib:8.2f} MiB")
-    print(f"  microbatch_size=None  {whole_mib:8.2f} MiB   ({whole_mib / micro_mib:.0f}x more)")
+    print(f"  microbatch_size={args.microbatch_size:<6}{micro_mib:9.2f} MiB")
+    print(f"  microbatch_size=None  {whole_mib:9.2f} MiB")
+    print(f"  ratio                 {whole_mib / micro_mib:9.1f}x")
 
     start = time.perf_counter()
     params = jax.block_until_ready(train(step, params, data, train_key, args.steps))
     train_s = time.perf_counter() - start
-    print(f"compile {compile_s:.1f} s, training {train_s:.1f} s "
-          f"({1e3 * train_s / args.steps:.1f} ms/step)")
+    print(
+        f"step compiled in {compile_s:.1f} s, trained in {train_s:.1f} s "
+        f"({1e3 * train_s / args.steps:.1f} ms/step)"
+    )
     print(f"test accuracy: {accuracy(params, data.x_test, data.y_test):.1%}")
 
 
