@@ -92,6 +92,18 @@ def count_collectives(hlo: str) -> dict[str, int]:
     }
 
 
+def local_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of the global batch that this process's devices hold (a contiguous range)."""
+    ranges = {
+        index[0].indices(batch_size)[:2]
+        for index in sharding.addressable_devices_indices_map((batch_size,)).values()
+        if index is not None
+    }
+    start, stop = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    assert sum(b - a for a, b in ranges) == stop - start, f"not contiguous: {sorted(ranges)}"
+    return slice(start, stop)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command-line flags."""
     parser = argparse.ArgumentParser(description="One process of the multi-process test.")
@@ -124,8 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     replicated = NamedSharding(mesh, P())
 
     params_np, x_np, y_np = make_problem()
-    rows = BATCH_SIZE // args.num_processes
-    local = slice(args.process_id * rows, (args.process_id + 1) * rows)
+    local = local_rows(batch_sharding, BATCH_SIZE)
     x = jax.make_array_from_process_local_data(batch_sharding, x_np[local])
     y = jax.make_array_from_process_local_data(batch_sharding, y_np[local])
     params = jax.tree.map(
@@ -155,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "process_count": jax.process_count(),
         "device_count": num_devices,
         "local_device_count": jax.local_device_count(),
+        "local_rows": [local.start, local.stop],
         "x_shard_shapes": [list(s.data.shape) for s in x.addressable_shards],
         "grads_sharding": str(jax.tree.leaves(grads)[0].sharding),
         "norms_sharding": str(norms.sharding),

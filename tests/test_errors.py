@@ -135,6 +135,11 @@ def test_batch_not_divisible():
         microbatch(pair, 0, 3)(X, 1.0)
 
 
+def test_batch_not_divisible_suggests_the_nearest_divisors():
+    with pytest.raises(ValueError, match=r"microbatch_size=48; choose .* \[8, 16, 32, 64\]"):
+        microbatch(jnp.sum, 0, 48)(jnp.ones(4096))
+
+
 def test_accumulator_not_a_prefix_of_the_output():
     fun = lambda x: (jnp.sum(x), x)  # noqa: E731
     acc = (AccumulationType.SUM, AccumulationType.CONCAT, AccumulationType.SUM)

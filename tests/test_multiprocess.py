@@ -130,6 +130,8 @@ def test_micro_grad_across_processes(tmp_path: pathlib.Path, axis_type: str) -> 
         # Each process holds only its own rows: one (batch / devices)-row shard per device.
         rows = worker.BATCH_SIZE // (NUM_PROCESSES * LOCAL_DEVICES)
         assert result["x_shard_shapes"] == [[rows, worker.NUM_FEATURES]] * LOCAL_DEVICES
+        half = worker.BATCH_SIZE // NUM_PROCESSES
+        assert result["local_rows"] == [process_id * half, (process_id + 1) * half]
         for name, expected in grads.items():
             np.testing.assert_allclose(
                 result["grads"][name], expected, rtol=1e-5, atol=1e-6, err_msg=name

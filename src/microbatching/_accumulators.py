@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -82,9 +83,54 @@ def _leafwise(
     return Accumulator(
         init=lambda tree: jax.tree.map(init, tree),
         update=lambda carry, tree, i: jax.tree.map(lambda c, x: update(c, x, i), carry, tree),
-        finalize=lambda carry: jax.tree.map(finalize, carry),
+        finalize=lambda carry: settle(jax.tree.map(finalize, carry)),
         aggregate=lambda tree: jax.tree.map(aggregate, tree),
     )
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["how"])
+@dataclasses.dataclass(frozen=True)
+class _PerShard:
+    """A reduction left open: one partial result per shard of the batch axis (axis 0).
+
+    Accumulating these instead of the reduced value keeps every device's partial sum on
+    that device for the whole loop; ``settle`` combines them with one all-reduce at the end.
+    """
+
+    parts: Any
+    how: str
+
+
+def settle(tree: PyTree) -> PyTree:
+    """Combines every open per-shard reduction in ``tree``."""
+
+    def close(x: Any) -> Any:
+        if not isinstance(x, _PerShard):
+            return x
+        reduce = jnp.sum if x.how == "sum" else jnp.mean
+        return reduce(x.parts, axis=0, dtype=x.parts.dtype)
+
+    return jax.tree.map(close, tree, is_leaf=lambda x: isinstance(x, _PerShard))
+
+
+def _rows(how: str) -> Callable[[jax.Array], Any]:
+    """Reduces axis 0 (the batch) with ``how``; per shard when it is explicitly sharded."""
+    reduce = jnp.sum if how == "sum" else jnp.mean
+
+    def aggregate(x: jax.Array) -> Any:
+        sharding = _sharding.explicit_sharding(x)
+        spec = None if sharding is None else _sharding.spec_of(sharding, x.ndim)
+        shards = 1 if sharding is None or not spec else _sharding.num_shards(sharding, spec[0])
+        if shards == 1 or sharding is None or spec is None:
+            return reduce(x, axis=0, dtype=x.dtype)
+        parts = jnp.reshape(
+            x,
+            (shards, x.shape[0] // shards, *x.shape[1:]),
+            out_sharding=_sharding.with_spec(sharding, [spec[0], None, *spec[1:]]),
+        )
+        return _PerShard(reduce(parts, axis=1, dtype=x.dtype), how)
+
+    return aggregate
 
 
 def _inexact(kind: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -119,17 +165,9 @@ def _nans(struct: Any) -> jax.Array:
     return _full(struct, jnp.nan)
 
 
-def _sum_rows(x: jax.Array) -> jax.Array:
-    return jnp.sum(x, axis=0, dtype=x.dtype)
-
-
-def _mean_rows(x: jax.Array) -> jax.Array:
-    return jnp.mean(x, axis=0, dtype=x.dtype)
-
-
 def sum_() -> Accumulator:
     """Sums the results, in their own dtype."""
-    return _leafwise(_zeros, lambda c, x, i: c + x, lambda c: c, _sum_rows)
+    return _leafwise(_zeros, lambda c, x, i: c + x, lambda c: c, _rows("sum"))
 
 
 def mean(num_microbatches: int) -> Accumulator:
@@ -138,7 +176,7 @@ def mean(num_microbatches: int) -> Accumulator:
         _inexact("MEAN", _zeros),
         lambda c, x, i: c + x,
         lambda c: (c / jnp.asarray(num_microbatches, c.dtype)).astype(c.dtype),
-        _inexact("MEAN", _mean_rows),
+        _inexact("MEAN", _rows("mean")),
     )
 
 
@@ -149,7 +187,10 @@ def running_mean() -> Accumulator:
         return jnp.where(i == 0, x, c + (x - c) / jnp.asarray(i + 1, c.dtype)).astype(c.dtype)
 
     return _leafwise(
-        _inexact("RUNNING_MEAN", _nans), update, lambda c: c, _inexact("RUNNING_MEAN", _mean_rows)
+        _inexact("RUNNING_MEAN", _nans),
+        update,
+        lambda c: c,
+        _inexact("RUNNING_MEAN", _rows("mean")),
     )
 
 

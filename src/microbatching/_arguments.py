@@ -98,9 +98,10 @@ def num_microbatches(batch_size: int, microbatch_size: int) -> int:
     """The number of microbatches, or a ValueError naming both sizes."""
     if batch_size % microbatch_size:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        nearest = sorted(sorted(divisors, key=lambda d: abs(d - microbatch_size))[:4])
         raise ValueError(
             f"The batch size {batch_size} is not divisible by {microbatch_size=}; "
-            f"choose a microbatch_size that divides it, such as one of {divisors[-6:]}, "
+            f"choose a microbatch_size that divides it, such as one of {nearest}, "
             "or pad the batch and pass num_real_microbatches."
         )
     return batch_size // microbatch_size

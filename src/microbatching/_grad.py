@@ -72,8 +72,8 @@ def micro_grad(
       microbatch_size: Examples per microbatch; None does the whole batch at once.
       accumulator: How to combine the transformed gradients (default SUM).
       transform_fn: Applied to each example's gradient before accumulation.
-      metrics_fn: Applied to each example's gradient; returned per example in
-        ``Aux.metrics``, so keep it small (a norm, a sign...).
+      metrics_fn: Applied to each example's gradient before ``transform_fn``; returned
+        per example in ``Aux.metrics``, so keep it small (a norm, a sign...).
       num_real_microbatches: See ``microbatch``.
 
     Returns:

@@ -98,6 +98,7 @@ def micro_vmap(
                 in_axes=[axes[i] for i in argnums] + [0] * len(kwargs),
                 num_real_microbatches=count,
             )
-            return looped(*args, **kwargs)
+            # Without microbatching the per-shard partial sums of ``aggregate`` are still open.
+            return _accumulators.settle(looped(*args, **kwargs))
 
     return mapped
