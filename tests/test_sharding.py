@@ -23,16 +23,22 @@ W = random_array(0, (16, 16), jnp.float32) / 4
 X = random_array(1, (256, 16), jnp.float32)
 
 
+def compiled_hlo(fun, *args) -> str:
+    text = jax.jit(fun).lower(*args).compile().as_text()
+    assert text is not None
+    return text
+
+
 def collectives(fun, *args) -> dict[str, int]:
     """How many collectives of each kind the compiled HLO holds."""
-    text = jax.jit(fun).lower(*args).compile().as_text()
+    text = compiled_hlo(fun, *args)
     kinds = (*MOVES_DATA, "all-reduce")
     return {k: len(re.findall(rf"\s{k}(-start)?\(", text)) for k in kinds}
 
 
 def all_reduces_in_loops(fun, *args) -> int:
     """How many all-reduces sit in while-loop bodies, i.e. run once per microbatch."""
-    text = jax.jit(fun).lower(*args).compile().as_text()
+    text = compiled_hlo(fun, *args)
     bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
     count, current = 0, None
     for line in text.splitlines():

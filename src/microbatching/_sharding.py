@@ -31,6 +31,6 @@ def with_spec(sharding: NamedSharding, spec: list[Any]) -> NamedSharding:
 
 
 def num_shards(sharding: NamedSharding, entry: Any) -> int:
-    """How many pieces a spec entry (None, a mesh axis name or a tuple of names) cuts an axis into."""
+    """Into how many pieces a spec entry (None, a mesh axis or a tuple of them) cuts an axis."""
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     return math.prod(sharding.mesh.shape[name] for name in names)
