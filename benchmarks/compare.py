@@ -2,8 +2,8 @@
 dynamic-slice ``fori_loop`` and the un-microbatched function, on the same workloads.
 
 All implementations of a workload are timed in one process, interleaved: every repetition
-calls each of them once, in an order that rotates from one repetition to the next, so
-drift in machine load affects all of them alike. See ``benchmarks/README.md``.
+calls each of them once, in a random order (fixed seed) that changes from one repetition to
+the next, so drift in machine load affects all of them alike. See ``benchmarks/README.md``.
 
 Usage: ``python benchmarks/compare.py [--quick] [--reps N] [--output PATH]``.
 """
@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -70,11 +71,11 @@ class Result:
 
 # --- Workloads a and b: a dense layer over a 32 MiB batch ------------------------------
 
-BATCH, FEATURES, HIDDEN, DENSE_MICROBATCH = 32768, 256, 256, 1024
+BATCH, FEATURES, HIDDEN, DENSE_MICROBATCH = 32768, 256, 256, 1024  # x is 32 MiB
 
 
-def _dense_args() -> tuple[jax.Array, jax.Array]:
-    x = jax.random.normal(jax.random.key(0), (BATCH, FEATURES), jnp.float32)
+def _dense_args(batch: int) -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(0), (batch, FEATURES), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (FEATURES, HIDDEN), jnp.float32) / 16
     return x, w
 
@@ -117,13 +118,17 @@ def _lax_map_concat(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.map(lambda row: _layer(row, w), x, batch_size=DENSE_MICROBATCH)
 
 
-def reduction_workload() -> Workload:
-    """(a) ``microbatch`` with SUM of a reduction."""
-    m = DENSE_MICROBATCH
+def _mib(x: jax.Array) -> str:
+    return f"{x.size * x.dtype.itemsize / 2**20:g} MiB"
+
+
+def reduction_workload(shrink: int) -> Workload:
+    """(a) ``microbatch`` with SUM of a reduction, on ``BATCH // shrink`` rows."""
+    m, (x, w) = DENSE_MICROBATCH, _dense_args(BATCH // shrink)
     return Workload(
         name="a. microbatch, SUM: sum(tanh(x @ W))",
-        description=f"x f32[{BATCH}, {FEATURES}] (32 MiB), W f32[{FEATURES}, {HIDDEN}], "
-        f"microbatch {m} ({BATCH // m} microbatches); lax.map maps rows, then sums.",
+        description=f"x f32{list(x.shape)} ({_mib(x)}), W f32{list(w.shape)}, microbatch {m} "
+        f"({x.shape[0] // m} microbatches); lax.map maps rows, then sums.",
         fns={
             OURS: mb.microbatch(_layer_sum, argnums=0, microbatch_size=m),
             OPTAX: optax_mb.microbatch(_layer_sum, argnums=0, microbatch_size=m),
@@ -131,18 +136,18 @@ def reduction_workload() -> Workload:
             FORI: _fori_sum,
             WHOLE: _layer_sum,
         },
-        args=_dense_args(),
+        args=(x, w),
     )
 
 
-def concat_workload() -> Workload:
+def concat_workload(shrink: int) -> Workload:
     """(b) ``micro_vmap`` with CONCAT: a per-example output as large as the input."""
-    m = DENSE_MICROBATCH
+    m, (x, w) = DENSE_MICROBATCH, _dense_args(BATCH // shrink)
     options: dict[str, Any] = {"in_axes": (0, None), "microbatch_size": m}  # W is unmapped
     return Workload(
         name="b. micro_vmap, CONCAT: tanh(x @ W) per example",
-        description=f"x f32[{BATCH}, {FEATURES}] (32 MiB), output f32[{BATCH}, {HIDDEN}] "
-        f"(32 MiB), microbatch {m} ({BATCH // m} microbatches).",
+        description=f"x f32{list(x.shape)} ({_mib(x)}), output as large, microbatch {m} "
+        f"({x.shape[0] // m} microbatches).",
         fns={
             OURS: mb.micro_vmap(_layer, **options),
             OPTAX: optax_mb.micro_vmap(_layer, **options),
@@ -150,7 +155,7 @@ def concat_workload() -> Workload:
             FORI: _fori_concat,
             WHOLE: jax.vmap(_layer, in_axes=(0, None)),
         },
-        args=_dense_args(),
+        args=(x, w),
     )
 
 
@@ -161,7 +166,7 @@ EXAMPLES, INPUTS, UNITS, CLASSES, GRAD_MICROBATCH = 2048, 64, 256, 10, 128
 Params = dict[str, jax.Array]
 
 
-def _mlp_args() -> tuple[Params, jax.Array, jax.Array]:
+def _mlp_args(examples: int) -> tuple[Params, jax.Array, jax.Array]:
     k1, k2, k3, k4 = jax.random.split(jax.random.key(2), 4)
     params = {
         "w1": jax.random.normal(k1, (INPUTS, UNITS), jnp.float32) / 8,
@@ -169,8 +174,8 @@ def _mlp_args() -> tuple[Params, jax.Array, jax.Array]:
         "w2": jax.random.normal(k2, (UNITS, CLASSES), jnp.float32) / 16,
         "b2": jnp.zeros((CLASSES,), jnp.float32),
     }
-    x = jax.random.normal(k3, (EXAMPLES, INPUTS), jnp.float32)
-    y = jax.random.randint(k4, (EXAMPLES,), 0, CLASSES)
+    x = jax.random.normal(k3, (examples, INPUTS), jnp.float32)
+    y = jax.random.randint(k4, (examples,), 0, CLASSES)
     return params, x, y
 
 
@@ -239,14 +244,14 @@ def _values_only(grad_fn: Fn) -> Fn:
     return adapted
 
 
-def grad_workload() -> Workload:
+def grad_workload(shrink: int) -> Workload:
     """(c) ``micro_grad`` with per-example clipping (the DP-SGD gradient)."""
-    m = GRAD_MICROBATCH
+    m, examples = GRAD_MICROBATCH, EXAMPLES // shrink
     options: dict[str, Any] = {"batch_argnums": (1, 2), "microbatch_size": m}
     return Workload(
         name="c. micro_grad, per-example clipping, SUM",
-        description=f"MLP {INPUTS}-{UNITS}-{CLASSES}, softmax cross-entropy, batch {EXAMPLES}, "
-        f"microbatch {m} ({EXAMPLES // m} microbatches); each example's gradient is clipped "
+        description=f"MLP {INPUTS}-{UNITS}-{CLASSES}, softmax cross-entropy, batch {examples}, "
+        f"microbatch {m} ({examples // m} microbatches); each example's gradient is clipped "
         "to norm 1, then summed. lax.map stacks all clipped gradients, then sums.",
         fns={
             OURS: _values_only(mb.micro_grad(_loss, transform_fn=_clip, **options)),
@@ -255,7 +260,7 @@ def grad_workload() -> Workload:
             FORI: _fori_grad,
             WHOLE: _whole_grad,
         },
-        args=_mlp_args(),
+        args=_mlp_args(examples),
     )
 
 
@@ -293,14 +298,18 @@ def time_call(compiled: jax.stages.Compiled, args: Sequence[Any]) -> float:
 def interleaved(
     candidates: Sequence[Candidate], args: Sequence[Any], reps: int, warmup: int
 ) -> dict[str, list[float]]:
-    """Calls every candidate once per repetition, starting each round one further along."""
+    """Calls every candidate once per repetition, in a fresh random order each time.
+
+    A fixed order would always run each candidate right after the same neighbour, whose
+    cache and allocator footprint (a 150 MiB whole-batch call, say) it would inherit.
+    """
     seconds: dict[str, list[float]] = {c.name: [] for c in candidates}
+    shuffler = random.Random(0)
     gc.collect()
     gc.disable()
     try:
         for rep in range(warmup + reps):
-            shift = rep % len(candidates)
-            for candidate in [*candidates[shift:], *candidates[:shift]]:
+            for candidate in shuffler.sample(list(candidates), len(candidates)):
                 elapsed = time_call(candidate.compiled, args)
                 if rep >= warmup:
                     seconds[candidate.name].append(elapsed)
@@ -341,15 +350,14 @@ def table(result: Result) -> str:
             f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f} "
             f"| {paired_ratio(times, ours):.2f} | {temp[name]:.1f} |"
         )
-    fori = result.seconds[FORI]
-    versus_fori = paired_ratio(ours, fori)
+    versus_fori = paired_ratio(ours, result.seconds[FORI])
     verdict = "within" if versus_fori <= 1.10 else "NOT within"
     lines += [
         "",
-        f"ours / fori_loop baseline: **{versus_fori:.2f}x** paired median ({verdict} the 1.10x "
-        f"target), {min(ours) / min(fori):.2f}x of the minimums; ours / optax: "
-        f"**{paired_ratio(ours, result.seconds[OPTAX]):.2f}x** time, "
-        f"{temp[OURS]:.1f} vs {temp[OPTAX]:.1f} MiB temp.",
+        f"Paired median time ratios: ours / fori_loop baseline **{versus_fori:.2f}x** "
+        f"({verdict} the 1.10x target); ours / optax "
+        f"**{paired_ratio(ours, result.seconds[OPTAX]):.2f}x**. "
+        f"Temp memory: ours {temp[OURS]:.1f} MiB, optax {temp[OPTAX]:.1f} MiB.",
         "",
     ]
     return "\n".join(lines)
@@ -365,7 +373,7 @@ def header(reps: int, warmup: int) -> str:
     """What ran, where and when."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = " ".join(["python", *sys.argv])
+    command = " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
     return "\n".join(
         [
             "# microbatching benchmarks",
@@ -373,18 +381,25 @@ def header(reps: int, warmup: int) -> str:
             f"jax {jax.__version__}, optax {optax.__version__}, numpy {np.__version__}, "
             f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, {now}, "
             f"load average at start {load}.",
-            f"Command: `{command}`; {reps} interleaved repetitions after {warmup} warm-up "
-            "round(s). Times are wall-clock per call; see README.md for the columns.",
+            f"Command: `{command}`; {reps} interleaved repetitions after {warmup + 1} warm-up "
+            "call(s) each. Times are wall-clock per call; see README.md for the columns.",
             "",
         ]
     )
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description="Benchmarks microbatching against optax.")
-    parser.add_argument("--quick", action="store_true", help="5 repetitions, no RESULTS.md")
-    parser.add_argument("--reps", type=int, help="timed repetitions (default 25, quick 5)")
+    parser.add_argument("--quick", action="store_true", help="batches / 4, 5 reps, no RESULTS.md")
+    parser.add_argument("--reps", type=_positive, help="timed repetitions (default 41, quick 5)")
     parser.add_argument("--output", type=Path, help=f"markdown file (default {RESULTS})")
     return parser.parse_args(argv)
 
@@ -392,14 +407,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> None:
     """Runs every workload and prints (and writes) the report."""
     options = parse_args(argv)
-    reps = options.reps or (5 if options.quick else 25)
-    warmup = 1 if options.quick else 2
+    reps = options.reps or (5 if options.quick else 41)
+    warmup = 0 if options.quick else 1  # on top of the call that checks the outputs
+    shrink = 4 if options.quick else 1
     output = options.output or (None if options.quick else RESULTS)
     start = time.perf_counter()
     sections = [header(reps, warmup)]
     print(sections[0], flush=True)
     for make in (reduction_workload, concat_workload, grad_workload):
-        sections.append(table(run_workload(make(), reps, warmup)))
+        sections.append(table(run_workload(make(shrink), reps, warmup)))
         print(sections[-1], flush=True)
     sections.append(footer(time.perf_counter() - start))
     print(sections[-1], flush=True)
