@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -92,6 +91,26 @@ def count_collectives(hlo: str) -> dict[str, int]:
     }
 
 
+def all_reduces_in_loops(hlo: str) -> int:
+    r"""How many all-reduces sit directly in ``while`` bodies (so run once per iteration).
+
+    >>> all_reduces_in_loops(
+    ...     "%body (p: f32[]) -> f32[] {\n  %a = f32[] all-reduce(f32[] %p)\n}\n"
+    ...     "ENTRY %main (x: f32[]) -> f32[] {\n  %w = f32[] while(f32[] %x), body=%body\n}"
+    ... )
+    1
+    """
+    bodies = set(re.findall(r"body=(%[\w.\-]+)", hlo))
+    count, inside = 0, False
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$", line)
+        if header:
+            inside = header.group(1) in bodies
+        elif inside:
+            count += bool(re.search(r"(?<![%\w.-])all-reduce(?:-start)?\(", line))
+    return count
+
+
 def local_rows(sharding: NamedSharding, batch_size: int) -> slice:
     """The rows of the global batch that this process's devices hold (a contiguous range)."""
     ranges = {
@@ -119,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Initialises JAX across processes, runs the step and returns this process's results."""
-    # Both must be set before the CPU backend is created.
+    # All three must be set before JAX creates its CPU backend.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -156,9 +175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return grads, aux.values, aux.metrics
 
     with jax.set_mesh(mesh):
-        step_jit: Callable[..., Any] = jax.jit(step)
-        compiled = step_jit.lower(params, x, y).compile()
+        compiled = jax.jit(step).lower(params, x, y).compile()
         grads, values, norms = compiled(params, x, y)
+        hlo = compiled.as_text() or ""
         host = multihost_utils.process_allgather((grads, values, norms), tiled=True)
     host_grads, host_values, host_norms = host
     return {
@@ -170,7 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "x_shard_shapes": [list(s.data.shape) for s in x.addressable_shards],
         "grads_sharding": str(jax.tree.leaves(grads)[0].sharding),
         "norms_sharding": str(norms.sharding),
-        "collectives": count_collectives(compiled.as_text() or ""),
+        "collectives": count_collectives(hlo),
+        "all_reduces_in_loops": all_reduces_in_loops(hlo),
         "grads": {k: np.asarray(v).tolist() for k, v in host_grads.items()},
         "values": np.asarray(host_values).tolist(),
         "norms": np.asarray(host_norms).tolist(),
