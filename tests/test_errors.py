@@ -203,12 +203,12 @@ def test_missing_batch_argument_at_call():
         TypeError,
         match=r"argnums includes 1, but pair was called with 1 positional argument.* and no keyword argument `y`",
     ):
-        microbatch(pair, 1, 2)(X)
+        microbatch(pair, 1, 2)(X)  # pyright: ignore[reportCallIssue]
     with pytest.raises(
         TypeError,
         match=r"argnames includes 'y', but pair was called without it \(keyword arguments given: \[\]\)",
     ):
-        microbatch(pair, (), 2, argnames="y")(X)
+        microbatch(pair, (), 2, argnames="y")(X)  # pyright: ignore[reportCallIssue]
 
 
 def test_not_callable():
@@ -252,7 +252,7 @@ def test_micro_grad_called_without_the_batch():
     with pytest.raises(
         TypeError, match=r"batch_argnums=1 but pair was called with 1 positional argument"
     ):
-        micro_grad(pair)(X)
+        micro_grad(pair)(X)  # pyright: ignore[reportCallIssue]
 
 
 def test_reshape_batch_axis_not_divisible():

@@ -10,7 +10,7 @@ import jax
 
 from . import _accumulators, _arguments
 from ._accumulators import AccumulationType
-from ._typing import Count, Function, PyTree
+from ._typing import Count, P, PyTree
 from ._vmap import micro_vmap
 
 
@@ -40,7 +40,7 @@ def _no_metrics(tree: PyTree) -> None:
 
 
 def micro_grad(
-    fun: Function,
+    fun: Callable[P, Any],
     has_aux: bool = False,
     argnums: int | tuple[int, ...] = 0,
     *,
@@ -51,7 +51,7 @@ def micro_grad(
     transform_fn: Callable[[PyTree], PyTree] = _identity,
     metrics_fn: Callable[[PyTree], PyTree] = _no_metrics,
     num_real_microbatches: Count = None,
-) -> Callable[..., tuple[PyTree, Aux]]:
+) -> Callable[P, tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
     For every example ``b`` the returned function computes
@@ -131,7 +131,7 @@ def micro_grad(
     name = _arguments.function_name(fun)
 
     @functools.wraps(fun)
-    def gradients(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
+    def gradients(*args: P.args, **kwargs: P.kwargs) -> tuple[PyTree, Aux]:
         with jax.named_scope(f"micro_grad({name})"):
             if max(batch_nums) >= len(args):
                 raise TypeError(

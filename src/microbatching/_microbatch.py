@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -10,11 +11,11 @@ from jax.extend.core import jaxpr_as_fun
 
 from . import _accumulators, _arguments, _layout
 from ._accumulators import AccumulationType
-from ._typing import Count, Function, InAxes
+from ._typing import Count, Function, InAxes, P
 
 
 def microbatch(
-    fun: Function,
+    fun: Callable[P, Any],
     argnums: int | tuple[int, ...] | list[int],
     microbatch_size: int | None,
     accumulator: Any = AccumulationType.SUM,
@@ -22,7 +23,7 @@ def microbatch(
     argnames: str | tuple[str, ...] | list[str] = (),
     in_axes: InAxes = 0,
     num_real_microbatches: Count = None,
-) -> Function:
+) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
     The returned function takes the same arguments as ``fun``. It splits every batch
@@ -71,7 +72,7 @@ def microbatch(
     count = _arguments.ensure_count(num_real_microbatches)
 
     @functools.wraps(fun)
-    def microbatched(*args: Any, **kwargs: Any) -> Any:
+    def microbatched(*args: P.args, **kwargs: P.kwargs) -> Any:
         with jax.named_scope(f"microbatch({batch_arguments.fun_name})"):
             if size is None:
                 return fun(*args, **kwargs)

@@ -1,9 +1,12 @@
 """Type aliases shared by the package."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, ParamSpec, TypeAlias
 
 import jax
+
+P = ParamSpec("P")
+"""The parameters of the wrapped function, kept by the wrappers."""
 
 PyTree: TypeAlias = Any
 """Any pytree of arrays (a leaf, a tuple, a dict, a dataclass registered with JAX...)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -10,11 +11,11 @@ import jax
 from . import _accumulators, _arguments
 from ._accumulators import AccumulationType
 from ._microbatch import microbatch
-from ._typing import Count, Function, InAxes, VmapFn
+from ._typing import Count, InAxes, P, VmapFn
 
 
 def micro_vmap(
-    fun: Function,
+    fun: Callable[P, Any],
     in_axes: InAxes = 0,
     out_axes: Any = 0,
     *,
@@ -22,7 +23,7 @@ def micro_vmap(
     vmap_fn: VmapFn = jax.vmap,
     accumulator: Any = AccumulationType.CONCAT,
     num_real_microbatches: Count = None,
-) -> Function:
+) -> Callable[P, Any]:
     """Maps ``fun`` over a batch axis, one microbatch at a time.
 
     With the default ``CONCAT`` accumulator the result equals
@@ -75,7 +76,7 @@ def micro_vmap(
         return _accumulators.combine(accumulator, 1).aggregate(mapped)
 
     @functools.wraps(fun)
-    def mapped(*args: Any, **kwargs: Any) -> Any:
+    def mapped(*args: P.args, **kwargs: P.kwargs) -> Any:
         with jax.named_scope(f"micro_vmap({name})"):
             axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
             if len(axes) != len(args):
