@@ -194,3 +194,22 @@ def test_auto_reductions_are_left_to_xla():
     with jax.set_mesh(mesh):
         x = jax.device_put(X, NamedSharding(mesh, P("data")))
         assert all_reduces_in_loops(vmap_fn, x) == 1
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_explicitly_sharded_inputs_without_a_mesh_context(jitted):
+    mesh = _mesh(AxisType.Explicit)
+    x = jax.device_put(X, NamedSharding(mesh, P("data")))
+    params = {"w": W, "b": jnp.ones(16)}
+    grad_fn = micro_grad(_loss, microbatch_size=16, transform_fn=_clip)
+    concat = micro_vmap(_rows, microbatch_size=16)
+    maybe_jit = jax.jit if jitted else (lambda f: f)
+    grads, _ = maybe_jit(grad_fn)(params, x)
+    rows = maybe_jit(concat)(x)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
+        grads,
+        _reference_grads(params, X),
+    )
+    np.testing.assert_allclose(rows, _rows(X), rtol=1e-5, atol=1e-6)
+    assert rows.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.extend.core import jaxpr_as_fun
 
-from . import _accumulators, _arguments, _layout
+from . import _accumulators, _arguments, _layout, _sharding
 from ._accumulators import AccumulationType
 from ._typing import Count, Function, InAxes, P
 
@@ -77,7 +77,8 @@ def microbatch(
             if size is None:
                 return fun(*args, **kwargs)
             batch = batch_arguments.locate(args, kwargs)
-            return _loop(fun, batch, size, accumulator, count)
+            with _sharding.mesh_of(batch.leaves):
+                return _loop(fun, batch, size, accumulator, count)
 
     return microbatched
 

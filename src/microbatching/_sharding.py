@@ -5,11 +5,13 @@ itself, and nothing here applies. Under an Explicit mesh the sharding is part of
 array's type, so the views, microbatches and buffers the transforms build must state it.
 """
 
+import contextlib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
@@ -34,3 +36,19 @@ def num_shards(sharding: NamedSharding, entry: Any) -> int:
     """Into how many pieces a spec entry (None, a mesh axis or a tuple of them) cuts an axis."""
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     return math.prod(sharding.mesh.shape[name] for name in names)
+
+
+def mesh_of(leaves: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
+    """Enters the mesh of explicitly sharded concrete inputs when no mesh is set.
+
+    Inside ``jax.set_mesh`` (or ``jit`` with one) this does nothing. Called eagerly on
+    arrays placed on an Explicit mesh, the loop still needs that mesh as context.
+    """
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)  # None for tracers
+        mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        if isinstance(mesh, Mesh) and mesh.explicit_axes:
+            return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
