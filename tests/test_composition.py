@@ -101,3 +101,11 @@ def test_micro_grad_inside_a_jitted_training_step():
     w, loss = jax.jit(step)(W, X)
     np.testing.assert_allclose(w, W - 0.1 * jax.grad(_loss)(W, X), rtol=1e-5)
     np.testing.assert_allclose(loss, _loss(W, X) / 8, rtol=1e-5)
+
+
+@pytest.mark.parametrize("count", [2, np.int32(2), jnp.int32(2)], ids=["int", "numpy", "jax"])
+def test_concrete_num_real_microbatches_keeps_a_static_loop(count):
+    batched = microbatch(_loss, 1, 2, num_real_microbatches=count)
+    rows = jnp.arange(8) % 4 < 2  # microbatches 0 and 1: rows 0, 1, 4, 5
+    want = jax.grad(_loss)(W, X[rows])
+    np.testing.assert_allclose(jax.jit(jax.grad(batched))(W, X), want, rtol=1e-5)

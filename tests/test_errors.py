@@ -244,8 +244,60 @@ def test_micro_vmap_in_axes_wrong_type():
 
 
 def test_micro_grad_batch_argnums_out_of_range():
-    with pytest.raises(ValueError, match=r"argnums contains 3, out of range for pair\(x, y\)"):
+    with pytest.raises(
+        ValueError, match=r"batch_argnums contains 3, out of range for pair\(x, y\)"
+    ):
         micro_grad(pair, batch_argnums=3)
+
+
+def test_micro_grad_batch_argnums_empty():
+    with pytest.raises(ValueError, match="batch_argnums is empty; name at least one argument"):
+        micro_grad(pair, batch_argnums=())
+
+
+def test_argnums_for_a_function_without_positional_parameters():
+    with pytest.raises(
+        ValueError,
+        match=r"with 0 positional parameter.*name keyword parameters with argnames instead",
+    ):
+        microbatch(lambda *, x: x, 0, 2)
+
+
+def test_scalar_batch_leaf():
+    with pytest.raises(
+        ValueError, match=r"Batch argument `x` is a scalar \(shape \(\)\), so it has no batch axis"
+    ):
+        microbatch(pair, 0, 1)(jnp.float32(1), 1.0)
+
+
+def test_concrete_num_real_microbatches_too_large_from_numpy():
+    with pytest.raises(
+        ValueError, match="num_real_microbatches=9 exceeds the number of microbatches, 4"
+    ):
+        microbatch(pair, 0, 2, num_real_microbatches=np.int64(9))(X, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("transform", "hint"),
+    [
+        (lambda f: micro_vmap(f, microbatch_size=2), "by position with in_axes None"),
+        (lambda f: micro_grad(f, microbatch_size=2), "by position, outside batch_argnums"),
+    ],
+)
+def test_mapped_keyword_argument_that_is_not_an_array(transform, hint):
+    def loss(w, x, *, train):
+        return jnp.sum(w * x)
+
+    with pytest.raises(
+        TypeError,
+        match=rf"maps keyword arguments along axis 0, as jax.vmap does, but `train` is False, not an array with a batch axis; pass it {hint}",
+    ):
+        transform(loss)(jnp.ones(3), X, train=False)
+
+
+def test_reshape_batch_axis_axis_out_of_range():
+    with pytest.raises(ValueError, match=r"axis=3 is out of range for a leaf of shape \(8, 3\)"):
+        reshape_batch_axis(X, 2, axis=3)
 
 
 def test_micro_grad_called_without_the_batch():

@@ -116,3 +116,15 @@ def test_num_real_microbatches_skips_the_rest(count):
     want = jax.tree.map(lambda g: jnp.sum(g[ran], 0), per_example)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grads, want)
     np.testing.assert_allclose(aux.values, jnp.where(ran, values, 0.0), rtol=1e-6)
+
+
+def test_negative_batch_argnums_count_from_the_end():
+    params, x, y = _problem(2, 4)
+    grads, aux = micro_grad(_loss, batch_argnums=(1, -1), microbatch_size=2)(params, x, y)
+    values, per_example = _reference(params, x, y)
+    np.testing.assert_allclose(aux.values, values, rtol=1e-6)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, jnp.sum(w, 0), rtol=1e-5, atol=1e-6),
+        grads,
+        per_example,
+    )

@@ -166,10 +166,11 @@ def test_microbatch_size_none_is_the_function_itself(kind):
 
 def test_empty_batch_gives_shaped_results():
     x = jnp.zeros((0, 3), jnp.float32)
-    fun = lambda x: (jnp.sum(x, axis=0), jnp.mean(x, axis=0), x * 2)  # noqa: E731
-    total, mean, rows = microbatch(fun, 0, 4, (SUM, MEAN, CONCAT))(x)
+    fun = lambda x: (jnp.sum(x, axis=0), jnp.mean(x, axis=0), x * 2, jnp.mean(x))  # noqa: E731
+    total, mean, rows, running = microbatch(fun, 0, 4, (SUM, MEAN, CONCAT, RUNNING_MEAN))(x)
     np.testing.assert_array_equal(total, jnp.zeros(3))
     assert mean.shape == (3,) and bool(jnp.all(jnp.isnan(mean)))
+    assert running.shape == () and bool(jnp.isnan(running))
     assert rows.shape == (0, 3) and rows.dtype == jnp.float32
 
 
@@ -183,4 +184,12 @@ def test_static_num_real_microbatches_runs_the_first_k(count):
     assert got[1] == sum(per_microbatch[:count]) / 4
     kept = jnp.where(jnp.arange(8) % 4 < count, x, 0)
     np.testing.assert_array_equal(got[2], kept)
-    np.testing.assert_allclose(got[3], np.mean(per_microbatch[:count]) if count else np.nan)
+    np.testing.assert_allclose(got[3], np.mean(per_microbatch[:count]) if count else 0.0)
+
+
+@pytest.mark.parametrize("kind", [MEAN, RUNNING_MEAN, SUM])
+def test_no_nan_is_made_on_the_way_under_debug_nans(kind):
+    x = jnp.arange(8.0)
+    with jax.debug_nans(True):
+        got = microbatch(jnp.mean, 0, 2, kind)(x)
+    assert bool(jnp.isfinite(got))

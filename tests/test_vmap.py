@@ -14,7 +14,7 @@ from microbatching import AccumulationType, micro_vmap
 from .strategies import FLOATS, assert_close, batches, microbatch_sizes, random_array
 
 REDUCE = {
-    AccumulationType.SUM: lambda y: jnp.sum(y, axis=0, dtype=y.dtype),
+    AccumulationType.SUM: lambda y: jnp.sum(y, axis=0),
     AccumulationType.MEAN: lambda y: jnp.mean(y, axis=0, dtype=y.dtype),
     AccumulationType.RUNNING_MEAN: lambda y: jnp.mean(y, axis=0, dtype=y.dtype),
     AccumulationType.CONCAT: lambda y: y,
@@ -108,3 +108,12 @@ def test_empty_batch():
     assert got.shape == (0,)
     total = micro_vmap(jnp.sum, microbatch_size=4, accumulator=AccumulationType.SUM)(x)
     assert total == 0.0
+
+
+def test_sum_of_booleans_counts_them_and_small_ints_promote():
+    x = jnp.arange(8.0)
+    count = micro_vmap(lambda v: v > 3, microbatch_size=2, accumulator=AccumulationType.SUM)(x)
+    assert count == 4 and count.dtype == jnp.sum(x > 3).dtype
+    small = (jnp.arange(8) * 50).astype(jnp.uint8)
+    total = micro_vmap(lambda v: v, microbatch_size=4, accumulator=AccumulationType.SUM)(small)
+    assert total == jnp.sum(small) == 888 and total.dtype == jnp.sum(small).dtype

@@ -28,8 +28,8 @@ class AccumulationType(enum.Enum):
     SUM = 2
     """The sum of the microbatch results."""
     RUNNING_MEAN = 3
-    """The mean of the microbatch results that ran (see ``num_real_microbatches``);
-    NaN when none ran."""
+    """The mean of the microbatch results that ran (see ``num_real_microbatches``); 0
+    when none ran (as in optax), NaN for an empty batch."""
     CONCAT = 4
     """The microbatch results joined along axis 0, in the original row order."""
 
@@ -114,21 +114,29 @@ def settle(tree: PyTree) -> PyTree:
 
 
 def _rows(how: str) -> Callable[[jax.Array], Any]:
-    """Reduces axis 0 (the batch) with ``how``; per shard when it is explicitly sharded."""
+    """Reduces axis 0 (the batch) with ``how``; per shard when it is explicitly sharded.
+
+    Floating results keep their dtype; integer and boolean sums promote as ``jnp.sum`` does
+    (a sum of booleans counts them).
+    """
     reduce = jnp.sum if how == "sum" else jnp.mean
+
+    def rows(x: jax.Array, axis: int) -> jax.Array:
+        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else None
+        return reduce(x, axis=axis, dtype=dtype)
 
     def aggregate(x: jax.Array) -> Any:
         sharding = _sharding.explicit_sharding(x)
         spec = None if sharding is None else _sharding.spec_of(sharding, x.ndim)
         shards = 1 if sharding is None or not spec else _sharding.num_shards(sharding, spec[0])
         if shards == 1 or sharding is None or spec is None:
-            return reduce(x, axis=0, dtype=x.dtype)
+            return rows(x, 0)
         parts = jnp.reshape(
             x,
             (shards, x.shape[0] // shards, *x.shape[1:]),
             out_sharding=_sharding.with_spec(sharding, [spec[0], None, *spec[1:]]),
         )
-        return _PerShard(reduce(parts, axis=1, dtype=x.dtype), how)
+        return _PerShard(rows(parts, 1), how)
 
     return aggregate
 
@@ -161,10 +169,6 @@ def _full(struct: Any, value: float, shape: tuple[int, ...] | None = None, spec=
     return jnp.full(shape, value, struct.dtype, out_sharding=sharding)
 
 
-def _nans(struct: Any) -> jax.Array:
-    return _full(struct, jnp.nan)
-
-
 def sum_() -> Accumulator:
     """Sums the results, in their own dtype."""
     return _leafwise(_zeros, lambda c, x, i: c + x, lambda c: c, _rows("sum"))
@@ -180,17 +184,17 @@ def mean(num_microbatches: int) -> Accumulator:
     )
 
 
-def running_mean() -> Accumulator:
-    """Keeps the mean of the results seen so far; NaN until the first one."""
+def running_mean(num_microbatches: int) -> Accumulator:
+    """Keeps the mean of the results seen so far: 0 until the first, NaN for an empty batch."""
 
     def update(c: jax.Array, x: jax.Array, i: Any) -> jax.Array:
         return jnp.where(i == 0, x, c + (x - c) / jnp.asarray(i + 1, c.dtype)).astype(c.dtype)
 
+    def finalize(c: jax.Array) -> jax.Array:
+        return c if num_microbatches else jnp.full_like(c, jnp.nan)
+
     return _leafwise(
-        _inexact("RUNNING_MEAN", _nans),
-        update,
-        lambda c: c,
-        _inexact("RUNNING_MEAN", _rows("mean")),
+        _inexact("RUNNING_MEAN", _zeros), update, finalize, _inexact("RUNNING_MEAN", _rows("mean"))
     )
 
 
@@ -231,7 +235,7 @@ def _builtin(kind: AccumulationType, num_microbatches: int) -> Accumulator:
     if kind is AccumulationType.MEAN:
         return mean(num_microbatches)
     if kind is AccumulationType.RUNNING_MEAN:
-        return running_mean()
+        return running_mean(num_microbatches)
     return concat(num_microbatches)
 
 

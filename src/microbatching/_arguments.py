@@ -24,7 +24,7 @@ def function_name(fun: Function) -> str:
     return getattr(inner, "__name__", type(inner).__name__)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     if isinstance(value, bool | np.bool_):
         return False
     try:
@@ -34,11 +34,26 @@ def _is_int(value: Any) -> bool:
     return True
 
 
+def check_mapped_keywords(kwargs: dict[str, Any], transform: str, unmapped: str) -> None:
+    """Keyword arguments of micro_vmap / micro_grad are mapped, so their leaves must be arrays.
+
+    ``unmapped`` tells how to pass an argument that should not be mapped.
+    """
+    for name, value in kwargs.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if not isinstance(leaf, jax.Array | np.ndarray) or not np.ndim(leaf):
+                raise TypeError(
+                    f"{transform} maps keyword arguments along axis 0, as jax.vmap does, but "
+                    f"`{name}{jax.tree_util.keystr(path)}` is {leaf!r}, not an array with a "
+                    f"batch axis; pass it {unmapped}, or bind it with functools.partial."
+                )
+
+
 def ensure_microbatch_size(microbatch_size: Any) -> int | None:
     """Checks ``microbatch_size``: a positive int, or None for no microbatching."""
     if microbatch_size is None:
         return None
-    if not _is_int(microbatch_size):
+    if not is_int(microbatch_size):
         raise TypeError(
             f"microbatch_size must be a positive int or None, got {microbatch_size!r} "
             f"of type {type(microbatch_size).__name__}; pass an int such as 8."
@@ -54,8 +69,8 @@ def ensure_microbatch_size(microbatch_size: Any) -> int | None:
 
 def ensure_index_tuple(name: str, value: Any) -> tuple[int, ...]:
     """Normalises an int or a sequence of ints (``argnums``, ``batch_argnums``)."""
-    values = (value,) if _is_int(value) else value
-    if not isinstance(values, Sequence) or not all(_is_int(v) for v in values):
+    values = (value,) if is_int(value) else value
+    if not isinstance(values, Sequence) or not all(is_int(v) for v in values):
         raise TypeError(f"{name} must be an int or a sequence of ints, got {name}={value!r}.")
     indices = tuple(operator.index(v) for v in values)
     if len(set(indices)) != len(indices):
@@ -74,24 +89,32 @@ def ensure_name_tuple(argnames: Any) -> tuple[str, ...]:
 
 
 def ensure_count(num_real_microbatches: Any) -> Count:
-    """Checks ``num_real_microbatches``: None, a non-negative int or an integer scalar array."""
+    """Checks ``num_real_microbatches``: None, a non-negative integer, or a traced integer scalar.
+
+    A concrete integer (Python, NumPy or a concrete JAX scalar) becomes a Python int, so
+    the loop keeps a static trip count; only a traced value makes it dynamic.
+    """
     if num_real_microbatches is None:
         return None
-    if _is_int(num_real_microbatches) and not hasattr(num_real_microbatches, "shape"):
-        count = operator.index(num_real_microbatches)
-        if count < 0:
-            raise ValueError(
-                f"num_real_microbatches must be non-negative, got {num_real_microbatches=}."
-            )
-        return count
-    shape = getattr(num_real_microbatches, "shape", None)
+    shape = getattr(num_real_microbatches, "shape", ())
     dtype = getattr(num_real_microbatches, "dtype", None)
-    if shape != () or dtype is None or not np.issubdtype(dtype, np.integer):
+    integer = is_int(num_real_microbatches) or (
+        dtype is not None and np.issubdtype(dtype, np.integer)
+    )
+    if shape != () or not integer:
         raise TypeError(
             "num_real_microbatches must be None, an int or an integer scalar array, got "
-            f"{num_real_microbatches!r}; pass e.g. jnp.int32(3)."
+            f"{num_real_microbatches!r}; pass e.g. 3 or jnp.int32(3)."
         )
-    return jax.numpy.asarray(num_real_microbatches)
+    try:
+        count = operator.index(num_real_microbatches)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return jax.numpy.asarray(num_real_microbatches)
+    if count < 0:
+        raise ValueError(
+            f"num_real_microbatches must be non-negative, got {num_real_microbatches=}."
+        )
+    return count
 
 
 def num_microbatches(batch_size: int, microbatch_size: int) -> int:
@@ -159,7 +182,7 @@ class _Signature:
 
 def _check_axis_spec(spec: AxisSpec, where: str) -> None:
     leaves = jax.tree.leaves(spec, is_leaf=lambda x: x is None)
-    if not all(leaf is None or _is_int(leaf) for leaf in leaves):
+    if not all(leaf is None or is_int(leaf) for leaf in leaves):
         raise TypeError(
             f"{where} must be an int, None or a pytree of them, got {spec!r}; "
             "give the batch axis of each batch argument."
@@ -168,7 +191,7 @@ def _check_axis_spec(spec: AxisSpec, where: str) -> None:
 
 def ensure_vmap_in_axes(in_axes: Any) -> None:
     """Checks ``micro_vmap``'s ``in_axes``: an int, or a sequence with one entry per argument."""
-    if _is_int(in_axes):
+    if is_int(in_axes):
         return
     if not isinstance(in_axes, list | tuple):
         raise TypeError(
@@ -180,7 +203,7 @@ def ensure_vmap_in_axes(in_axes: Any) -> None:
 
 
 def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:
-    if _is_int(in_axes) or in_axes is None:
+    if is_int(in_axes) or in_axes is None:
         _check_axis_spec(in_axes, "in_axes")
         return (in_axes,) * count
     if not isinstance(in_axes, list | tuple):
@@ -242,19 +265,23 @@ class BatchArguments:
     signature: _Signature | None
 
     @classmethod
-    def create(cls, fun: Function, argnums: Any, argnames: Any, in_axes: Any) -> BatchArguments:
-        """Checks the wrap-time arguments against ``fun``'s signature."""
+    def create(
+        cls, fun: Function, argnums: Any, argnames: Any, in_axes: Any, what: str = "argnums"
+    ) -> BatchArguments:
+        """Checks the wrap-time arguments against ``fun``'s signature.
+
+        ``what`` is the name the user gave ``argnums`` (``batch_argnums`` in micro_grad).
+        """
         if not callable(fun):
             raise TypeError(f"fun must be callable, got {fun!r}.")
         name = function_name(fun)
         signature = _Signature.of(fun)
-        nums = ensure_index_tuple("argnums", argnums)
+        nums = ensure_index_tuple(what, argnums)
         names = ensure_name_tuple(argnames)
         if not nums and not names:
-            raise ValueError(
-                "argnums and argnames are both empty; name at least one argument with a batch axis."
-            )
-        nums = _normalise_argnums(nums, signature, name)
+            both = "argnums and argnames are both" if what == "argnums" else f"{what} is"
+            raise ValueError(f"{both} empty; name at least one argument with a batch axis.")
+        nums = _normalise_argnums(nums, signature, name, what)
         _check_argnames(names, signature, name)
         if signature is not None:
             for i in nums:
@@ -323,21 +350,28 @@ class BatchArguments:
         return Batch(treedef, tuple(leaves), tuple(axes), tuple(labels), size)
 
 
-def _normalise_argnums(nums: tuple[int, ...], sig: _Signature | None, name: str) -> tuple[int, ...]:
+def _normalise_argnums(
+    nums: tuple[int, ...], sig: _Signature | None, name: str, what: str
+) -> tuple[int, ...]:
     fixed = sig is not None and not sig.var_positional
     count = len(sig.positional) if sig is not None else 0
     out = []
     for i in nums:
         if i < 0 and not fixed:
             raise ValueError(
-                f"argnums contains {i}, but negative indices need a function with a fixed number "
+                f"{what} contains {i}, but negative indices need a function with a fixed number "
                 f"of positional parameters, and {name} takes *args; use a non-negative index."
             )
         j = i + count if i < 0 else i
-        if fixed and not 0 <= j < count:
+        if sig is not None and fixed and not 0 <= j < count:
+            fix = (
+                f"use an index in [{-count}, {count})"
+                if count
+                else "name keyword parameters with argnames instead"
+            )
             raise ValueError(
-                f"argnums contains {i}, out of range for {name}{sig.describe()} "  # type: ignore[union-attr]
-                f"with {count} positional parameter(s); use an index in [{-count}, {count})."
+                f"{what} contains {i}, out of range for {name}{sig.describe()} "
+                f"with {count} positional parameter(s); {fix}."
             )
         out.append(j)
     return tuple(out)
@@ -363,6 +397,11 @@ def _normalise_axis(axis: int | None, leaf: Any, label: str) -> int | None:
             "batch axis; convert it with jnp.asarray, or leave it out of the batch arguments."
         )
     ndim = len(leaf.shape)
+    if ndim == 0:
+        raise ValueError(
+            f"Batch argument `{label}` is a scalar (shape ()), so it has no batch axis; give it "
+            "a batch axis, or leave it out of the batch arguments."
+        )
     if not -ndim <= axis < ndim:
         raise ValueError(
             f"in_axes gives axis {axis} for batch argument `{label}` of shape {leaf.shape} "

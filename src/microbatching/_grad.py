@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -109,14 +109,14 @@ def micro_grad(
     >>> grads
     Array([-3.], dtype=float32)
     """
-    batch_nums = _arguments.ensure_index_tuple("batch_argnums", batch_argnums)
-    grad_nums = _arguments.ensure_index_tuple("argnums", argnums)
-    _arguments.BatchArguments.create(fun, batch_nums, (), 0)
-    _arguments.BatchArguments.create(fun, grad_nums, (), 0)
+    batch_nums = _arguments.BatchArguments.create(
+        fun, batch_argnums, (), 0, "batch_argnums"
+    ).argnums
+    grad_nums = _arguments.BatchArguments.create(fun, argnums, (), 0).argnums
     _accumulators.check_tree(accumulator)
     loss_and_aux = fun if has_aux else lambda *a, **k: (fun(*a, **k), None)
     value_and_grad = jax.value_and_grad(
-        loss_and_aux, argnums if isinstance(argnums, int) else grad_nums, has_aux=True
+        loss_and_aux, grad_nums if isinstance(argnums, Sequence) else grad_nums[0], has_aux=True
     )
 
     def per_example(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
@@ -130,7 +130,7 @@ def micro_grad(
 
     name = _arguments.function_name(fun)
 
-    @functools.wraps(fun)
+    @functools.wraps(fun, updated=())
     def gradients(*args: P.args, **kwargs: P.kwargs) -> tuple[PyTree, Aux]:
         with jax.named_scope(f"micro_grad({name})"):
             if max(batch_nums) >= len(args):
@@ -138,6 +138,9 @@ def micro_grad(
                     f"{batch_argnums=} but {name} was called with {len(args)} positional "
                     "argument(s); pass the batch arguments by position."
                 )
+            _arguments.check_mapped_keywords(
+                kwargs, "micro_grad", "by position, outside batch_argnums"
+            )
             mapped = micro_vmap(
                 per_example,
                 in_axes=[0 if i in batch_nums else None for i in range(len(args))],

@@ -81,12 +81,18 @@ def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyT
         raise TypeError("reshape_batch_axis needs an int microbatch_size, got None.")
 
     def reshape(leaf: Any) -> jax.Array:
+        leaf = jnp.asarray(leaf)
+        if not -leaf.ndim <= axis < leaf.ndim:
+            raise ValueError(
+                f"{axis=} is out of range for a leaf of shape {leaf.shape}; every leaf needs the "
+                "batch axis, so use an axis in [-ndim, ndim) of each leaf."
+            )
         ax = axis % leaf.ndim
         if leaf.shape[ax] % size:
             raise ValueError(
                 f"The batch axis {axis} of a leaf of shape {leaf.shape} is not divisible by "
                 f"{microbatch_size=}; choose a microbatch_size that divides {leaf.shape[ax]}."
             )
-        return jnp.moveaxis(split(jnp.asarray(leaf), ax, size, "tree"), ax + 1, ax)
+        return jnp.moveaxis(split(leaf, ax, size, "tree"), ax + 1, ax)
 
     return jax.tree.map(reshape, tree)

@@ -71,7 +71,7 @@ def microbatch(
     _accumulators.check_tree(accumulator)
     count = _arguments.ensure_count(num_real_microbatches)
 
-    @functools.wraps(fun)
+    @functools.wraps(fun, updated=())
     def microbatched(*args: P.args, **kwargs: P.kwargs) -> Any:
         with jax.named_scope(f"microbatch({batch_arguments.fun_name})"):
             if size is None:

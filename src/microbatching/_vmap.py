@@ -59,7 +59,7 @@ def micro_vmap(
     ...            accumulator=AccumulationType.SUM)(jnp.arange(6))
     Array(55, dtype=int32)
     """
-    if not (isinstance(out_axes, int) and not isinstance(out_axes, bool) and out_axes == 0):
+    if not (_arguments.is_int(out_axes) and out_axes == 0):
         raise NotImplementedError(
             f"micro_vmap supports only out_axes=0, got {out_axes=}; move the axis afterwards "
             "with jnp.moveaxis."
@@ -75,7 +75,7 @@ def micro_vmap(
         mapped = vmap_fn(fun, axes, 0)(*args, **kwargs)
         return _accumulators.combine(accumulator, 1).aggregate(mapped)
 
-    @functools.wraps(fun)
+    @functools.wraps(fun, updated=())
     def mapped(*args: P.args, **kwargs: P.kwargs) -> Any:
         with jax.named_scope(f"micro_vmap({name})"):
             axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
@@ -84,6 +84,7 @@ def micro_vmap(
                     f"in_axes has {len(axes)} entries but {name} was called with {len(args)} "
                     f"positional argument(s); give one entry per positional argument ({in_axes=})."
                 )
+            _arguments.check_mapped_keywords(kwargs, "micro_vmap", "by position with in_axes None")
             argnums = tuple(i for i, ax in enumerate(axes) if ax is not None)
             if not argnums and not kwargs:
                 raise ValueError(
