@@ -4,6 +4,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeAlias
 
 import jax
+import numpy as np
 
 P = ParamSpec("P")
 """The parameters of the wrapped function, kept by the wrappers."""
@@ -20,5 +21,5 @@ AxisSpec: TypeAlias = int | PyTree | None
 """The batch axis of one argument: an int, None (not batched) or a pytree prefix of them."""
 
 InAxes: TypeAlias = int | Sequence[AxisSpec]
-Count: TypeAlias = int | jax.Array | None
+Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
