@@ -118,3 +118,9 @@ def test_sum_of_booleans_counts_them_and_small_ints_promote():
     small = (jnp.arange(8) * 50).astype(jnp.uint8)
     total = micro_vmap(lambda v: v, microbatch_size=4, accumulator=AccumulationType.SUM)(small)
     assert total == jnp.sum(small) == 888 and total.dtype == jnp.sum(small).dtype
+
+
+def test_numpy_integers_for_in_axes_and_out_axes():
+    x = jnp.arange(4.0)
+    got = micro_vmap(jnp.sin, np.int64(0), np.int64(0), microbatch_size=2)(x)
+    np.testing.assert_allclose(got, jnp.sin(x))

@@ -189,10 +189,10 @@ def _check_axis_spec(spec: AxisSpec, where: str) -> None:
         )
 
 
-def ensure_vmap_in_axes(in_axes: Any) -> None:
+def ensure_vmap_in_axes(in_axes: Any) -> int | tuple[AxisSpec, ...]:
     """Checks ``micro_vmap``'s ``in_axes``: an int, or a sequence with one entry per argument."""
     if is_int(in_axes):
-        return
+        return operator.index(in_axes)
     if not isinstance(in_axes, list | tuple):
         raise TypeError(
             f"in_axes must be an int or a sequence with one entry per positional argument, "
@@ -200,6 +200,7 @@ def ensure_vmap_in_axes(in_axes: Any) -> None:
         )
     for i, spec in enumerate(in_axes):
         _check_axis_spec(spec, f"in_axes[{i}]")
+    return tuple(in_axes)
 
 
 def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:

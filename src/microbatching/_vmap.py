@@ -65,20 +65,19 @@ def micro_vmap(
             "with jnp.moveaxis."
         )
     size = _arguments.ensure_microbatch_size(microbatch_size)
-    _arguments.ensure_vmap_in_axes(in_axes)
+    axes_spec = _arguments.ensure_vmap_in_axes(in_axes)
     _accumulators.check_tree(accumulator)
     count = _arguments.ensure_count(num_real_microbatches)
     name = _arguments.function_name(fun)
 
     def per_microbatch(*args: Any, **kwargs: Any) -> Any:
-        axes = in_axes if isinstance(in_axes, int) else tuple(in_axes)
-        mapped = vmap_fn(fun, axes, 0)(*args, **kwargs)
+        mapped = vmap_fn(fun, axes_spec, 0)(*args, **kwargs)
         return _accumulators.combine(accumulator, 1).aggregate(mapped)
 
     @functools.wraps(fun, updated=())
     def mapped(*args: P.args, **kwargs: P.kwargs) -> Any:
         with jax.named_scope(f"micro_vmap({name})"):
-            axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
+            axes = (axes_spec,) * len(args) if isinstance(axes_spec, int) else axes_spec
             if len(axes) != len(args):
                 raise ValueError(
                     f"in_axes has {len(axes)} entries but {name} was called with {len(args)} "
