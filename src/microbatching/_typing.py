@@ -20,6 +20,6 @@ VmapFn: TypeAlias = Callable[[Function, Any, Any], Function]
 AxisSpec: TypeAlias = int | PyTree | None
 """The batch axis of one argument: an int, None (not batched) or a pytree prefix of them."""
 
-InAxes: TypeAlias = int | Sequence[AxisSpec]
+InAxes: TypeAlias = int | np.integer | Sequence[AxisSpec]
 Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
