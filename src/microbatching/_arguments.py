@@ -189,37 +189,35 @@ def _check_axis_spec(spec: AxisSpec, where: str) -> None:
         )
 
 
-def ensure_vmap_in_axes(in_axes: Any) -> int | tuple[AxisSpec, ...]:
-    """Checks ``micro_vmap``'s ``in_axes``: an int, or a sequence with one entry per argument."""
-    if is_int(in_axes):
-        return operator.index(in_axes)
+def _axes_sequence(in_axes: Any, per: str) -> tuple[AxisSpec, ...]:
+    """Checks a sequence of axis specs, one per ``per``."""
     if not isinstance(in_axes, list | tuple):
         raise TypeError(
-            f"in_axes must be an int or a sequence with one entry per positional argument, "
-            f"got {in_axes=}."
+            f"in_axes must be an int or a sequence with one entry per {per}, got {in_axes=}."
         )
     for i, spec in enumerate(in_axes):
         _check_axis_spec(spec, f"in_axes[{i}]")
     return tuple(in_axes)
+
+
+def ensure_vmap_in_axes(in_axes: Any) -> int | tuple[AxisSpec, ...]:
+    """Checks ``micro_vmap``'s ``in_axes``: an int, or a sequence with one entry per argument."""
+    if is_int(in_axes):
+        return operator.index(in_axes)
+    return _axes_sequence(in_axes, "positional argument")
 
 
 def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:
     if is_int(in_axes) or in_axes is None:
         _check_axis_spec(in_axes, "in_axes")
         return (in_axes,) * count
-    if not isinstance(in_axes, list | tuple):
-        raise TypeError(
-            f"in_axes must be an int or a sequence with one entry per batch argument, "
-            f"got {in_axes=}."
-        )
-    if len(in_axes) != count:
+    axes = _axes_sequence(in_axes, "batch argument")
+    if len(axes) != count:
         raise ValueError(
-            f"in_axes has {len(in_axes)} entries but {names} name {count} batch argument(s); "
+            f"in_axes has {len(axes)} entries but {names} name {count} batch argument(s); "
             f"give one axis per batch argument, in the order argnums then argnames ({in_axes=})."
         )
-    for i, spec in enumerate(in_axes):
-        _check_axis_spec(spec, f"in_axes[{i}]")
-    return tuple(in_axes)
+    return axes
 
 
 def _axes_per_leaf(spec: AxisSpec, arg: PyTree, label: str) -> list[int | None]:
