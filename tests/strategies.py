@@ -1,5 +1,6 @@
 """Hypothesis strategies and comparisons shared by the tests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
@@ -47,3 +48,13 @@ def assert_close(got, want, dtype, terms: int = 1) -> None:
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
     scale = max(1.0, float(np.max(np.abs(w), initial=0.0)))
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
+
+
+def clipper(bound: float):
+    """A ``transform_fn`` scaling a gradient pytree to global L2 norm at most ``bound``."""
+
+    def clip(grads):
+        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+        return jax.tree.map(lambda g: g * jnp.minimum(1.0, bound / norm), grads)
+
+    return clip

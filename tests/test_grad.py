@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from microbatching import AccumulationType, Aux, micro_grad
 
-from .strategies import assert_close, microbatch_sizes, random_array
+from .strategies import assert_close, clipper, microbatch_sizes, random_array
 
 
 def _loss(params, x, y):
@@ -29,9 +29,7 @@ def _problem(seed, rows):
     return params, x, y
 
 
-def _clip(grads, bound=0.5):
-    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
-    return jax.tree.map(lambda g: g * jnp.minimum(1.0, bound / norm), grads)
+_clip = clipper(0.5)
 
 
 def _reference(params, x, y):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch, reshape_batch_axis
 
-from .strategies import random_array
+from .strategies import clipper, random_array
 
 MOVES_DATA = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
@@ -87,9 +87,7 @@ def test_transforms_on_a_mesh_move_no_batch_data(axis_type, kind, which):
         assert counts["all-reduce"] == 1
 
 
-def _clip(grads):
-    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
-    return jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / norm), grads)
+_clip = clipper(1.0)
 
 
 def _loss(params, x):
