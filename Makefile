@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint format clean
+.PHONY: test test-x64 demo bench lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,17 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+	$(MAKE) --no-print-directory test-x64
+
+test-x64: $(STAMP)
+	JAX_ENABLE_X64=1 $(BIN)/pytest -q tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/dp_sgd_digits.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
+	$(BIN)/python benchmarks/accumulation.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -1,5 +1,7 @@
 """Hypothesis strategies and comparisons shared by the tests."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,6 @@ from hypothesis import strategies as st
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
 FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
-_TOLERANCE = {jnp.float32: 1e-5, jnp.float16: 4e-3, jnp.bfloat16: 3e-2}
 
 
 def random_array(seed: int, shape: tuple[int, ...], dtype) -> jnp.ndarray:
@@ -37,17 +38,96 @@ def microbatch_sizes(batch_size: int):
     return st.sampled_from(sorted({1, divisors[len(divisors) // 2], batch_size}))
 
 
-def assert_close(got, want, dtype, terms: int = 1) -> None:
-    """Exact for integers; for floats, within rounding of ``terms`` partial results."""
-    got, want = jnp.asarray(got), jnp.asarray(want)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        np.testing.assert_array_equal(got, want)
+# Relative error allowed per summed term, by the precision the result is computed in. For
+# float32 this is ~84 ulp: reference and result go through different but equally valid
+# evaluation orders, FMA contraction and transcendental approximations (tanh, exp, log
+# softmax and their gradients), which vary between CPUs, XLA versions and fast-math
+# flags. For the half types one result rounding dominates (~4 ulp). float64 is for
+# ``JAX_ENABLE_X64=1``.
+TOLERANCE = {
+    np.dtype(jnp.float64): 1e-12,
+    np.dtype(jnp.float32): 1e-5,
+    np.dtype(jnp.float16): 4e-3,
+    np.dtype(jnp.bfloat16): 3e-2,
+}
+_ULPS_OF_OTHER_FLOATS = 4  # for inexact dtypes missing from TOLERANCE (float8 etc.)
+
+
+def tolerance(dtype: Any, terms: int = 1, factor: float = 1.0) -> float:
+    """The relative tolerance for a result computed in ``dtype`` from ``terms`` partial results.
+
+    >>> tolerance(jnp.float32), tolerance(jnp.bfloat16, terms=4), tolerance(jnp.complex64)
+    (1e-05, 0.12, 1e-05)
+    """
+    real = np.dtype(jnp.finfo(dtype).dtype)  # complex64 -> float32
+    base = TOLERANCE.get(real, _ULPS_OF_OTHER_FLOATS * float(jnp.finfo(real).eps))
+    return base * max(1, terms) * factor
+
+
+def _precision(got: np.ndarray, want: np.ndarray) -> np.dtype:
+    """The less precise of the two inexact dtypes, which bounds the achievable agreement."""
+    inexact = [a.dtype for a in (got, want) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return max(inexact, key=lambda d: float(jnp.finfo(d).eps))
+
+
+def _assert_leaf_close(
+    got: Any, want: Any, dtype: Any, terms: int, factor: float, where: str
+) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert want.dtype != object, f"{where}: reference is not an array: {want!r}"
+    assert got.shape == want.shape, f"{where}: shapes differ: {got.shape} != {want.shape}"
+    exact = not jnp.issubdtype(dtype if dtype is not None else got.dtype, jnp.inexact)
+    if exact:
+        np.testing.assert_array_equal(got, want, err_msg=f"{where} (exact)")
         return
-    tol = _TOLERANCE[jnp.dtype(dtype).type] * max(1, terms)
-    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    scale = max(1.0, float(np.max(np.abs(w), initial=0.0)))
-    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
+    rtol = tolerance(dtype if dtype is not None else _precision(got, want), terms, factor)
+    wide = np.complex128 if np.iscomplexobj(got) or np.iscomplexobj(want) else np.float64
+    g, w = got.astype(wide), want.astype(wide)
+    finite = np.abs(w[np.isfinite(w)])
+    magnitude = max(1.0, float(np.max(finite, initial=0.0)))
+    np.testing.assert_allclose(
+        g,
+        w,
+        rtol=rtol,
+        atol=rtol * magnitude,
+        err_msg=f"{where} (rtol={rtol:g}, atol={rtol:g} * {magnitude:g})",
+    )
+
+
+def assert_close(
+    got: Any, want: Any, *, dtype: Any = None, terms: int = 1, factor: float = 1.0
+) -> None:
+    """Asserts that pytree ``got`` equals ``want`` up to rounding, leaf by leaf.
+
+    The structures must be equal, and every leaf of ``got`` must have the shape of the
+    matching leaf of ``want`` (a leaf of ``want`` may be any array-like, such as a list).
+    Leaves of ``got`` with an integer or bool dtype must match exactly. Float (and complex)
+    leaves are compared with ``rtol = tolerance(dtype, terms, factor)`` and ``atol = rtol *
+    max(1, max |want|)``: an error relative to the largest reference value, so that an
+    element near zero, left by cancellation between terms of unit scale, is not held to
+    a relative bound it cannot meet.
+
+    Args:
+      got: the result under test.
+      want: the reference.
+      dtype: the precision the result is computed in; by default the less precise of the
+        two leaves' dtypes (integer or bool: exact).
+      terms: how many partial results were summed into each element (for instance the
+        number of microbatches), which the tolerance grows with.
+      factor: a further multiplier, for computations deeper than a sum of ``terms``.
+
+    >>> assert_close({"a": jnp.float32(1.0) + 1e-6, "n": 3}, {"a": 1.0, "n": 3})
+    >>> assert_close(jnp.array([1.0, -0.01497], jnp.float32), [1.0, -0.0149698])
+    """
+    paths_and_got, structure = jax.tree_util.tree_flatten_with_path(got)
+    try:
+        want_leaves = structure.flatten_up_to(want)
+    except (TypeError, ValueError) as e:
+        raise AssertionError(
+            f"pytree structures differ: {structure} != {jax.tree.structure(want)}"
+        ) from e
+    for (path, g), w in zip(paths_and_got, want_leaves, strict=True):
+        _assert_leaf_close(g, w, dtype, terms, factor, jax.tree_util.keystr(path) or "value")
 
 
 def clipper(bound: float):

@@ -43,6 +43,7 @@ def test_signatures_follow_the_spec():
         ("argnames", p.KEYWORD_ONLY, ()),
         ("in_axes", p.KEYWORD_ONLY, 0),
         ("num_real_microbatches", p.KEYWORD_ONLY, None),
+        ("accumulation_dtype", p.KEYWORD_ONLY, None),  # ours, beyond the spec
     ]
     vmap_params = _parameters(mb.micro_vmap)
     assert [n for n, *_ in vmap_params] == [
@@ -53,6 +54,8 @@ def test_signatures_follow_the_spec():
         "vmap_fn",
         "accumulator",
         "num_real_microbatches",
+        "accumulation_dtype",  # ours, beyond the spec, keyword-only
+        "batch_mesh_axes",
     ]
     assert vmap_params[6] == ("num_real_microbatches", p.KEYWORD_ONLY, None)
     assert [n for n, *_ in _parameters(mb.micro_grad)] == [
@@ -66,7 +69,15 @@ def test_signatures_follow_the_spec():
         "transform_fn",
         "metrics_fn",
         "num_real_microbatches",
+        "l2_clip_norm",  # ours, beyond the spec, keyword-only
+        "accumulation_dtype",
+        "batch_mesh_axes",
     ]
+    extra = {"accumulation_dtype", "batch_mesh_axes", "l2_clip_norm"}
+    for fun in (mb.microbatch, mb.micro_vmap, mb.micro_grad):
+        for name, kind, default in _parameters(fun):
+            if name in extra:
+                assert kind == p.KEYWORD_ONLY and default is None
     assert _parameters(mb.reshape_batch_axis) == [
         ("tree", p.POSITIONAL_OR_KEYWORD, p.empty),
         ("microbatch_size", p.POSITIONAL_OR_KEYWORD, p.empty),

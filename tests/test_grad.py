@@ -25,7 +25,7 @@ def _problem(seed, rows):
         "v": random_array(seed + 2, (5, 3), jnp.float32),
     }
     x = random_array(seed + 3, (rows, 4), jnp.float32)
-    y = jax.nn.one_hot(jnp.arange(rows) % 3, 3)
+    y = jax.nn.one_hot(jnp.arange(rows) % 3, 3, dtype=jnp.float32)
     return params, x, y
 
 
@@ -60,9 +60,9 @@ def test_clipped_sum_matches_per_example_grad(seed, rows, data):
         AccumulationType.SUM: lambda g: jnp.sum(g, 0),
         AccumulationType.CONCAT: lambda g: g,
     }.get(kind, lambda g: jnp.mean(g, 0))
-    jax.tree.map(lambda g, w: assert_close(g, reduce(w), jnp.float32, 8), grads, clipped)
-    assert_close(aux.values, values, jnp.float32)
-    assert_close(aux.metrics, jax.vmap(jnp.linalg.norm)(per_example["v"]), jnp.float32)
+    assert_close(grads, jax.tree.map(reduce, clipped), terms=rows)
+    assert_close(aux.values, values)
+    assert_close(aux.metrics, jax.vmap(jnp.linalg.norm)(per_example["v"]))
     assert aux.aux is None
 
 
@@ -76,8 +76,7 @@ def test_has_aux_and_several_argnums():
         loss, has_aux=True, argnums=(0, 1), batch_argnums=2, microbatch_size=2
     )(w, b, x)
     want_w, want_b = jax.grad(lambda w, b: loss(w, b, x)[0], (0, 1))(w, b)
-    np.testing.assert_allclose(gw, want_w, rtol=1e-6)
-    np.testing.assert_allclose(gb, want_b, rtol=1e-6)
+    assert_close((gw, gb), (want_w, want_b), terms=2)
     assert isinstance(aux, Aux)
     assert aux.aux["pred"].shape == (4, 1, 2)  # per example, each a batch of one
 
@@ -92,7 +91,7 @@ def test_keep_batch_dim_false_passes_single_examples():
     grads, _ = micro_grad(loss, keep_batch_dim=False, microbatch_size=2)(
         jnp.ones(3), jnp.ones((4, 3))
     )
-    np.testing.assert_allclose(grads, [4.0, 4.0, 4.0])
+    assert_close(grads, [4.0, 4.0, 4.0])
     assert set(shapes) == {(3,)}
 
 
@@ -100,7 +99,7 @@ def test_microbatch_size_none_is_the_whole_batch():
     params, x, y = _problem(0, 6)
     whole, _ = micro_grad(_loss, batch_argnums=(1, 2))(params, x, y)
     looped, _ = micro_grad(_loss, batch_argnums=(1, 2), microbatch_size=2)(params, x, y)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), whole, looped)
+    assert_close(looped, whole, terms=3)
 
 
 @pytest.mark.parametrize("count", [0, 2])
@@ -112,17 +111,13 @@ def test_num_real_microbatches_skips_the_rest(count):
     values, per_example = _reference(params, x, y)
     ran = np.arange(8) % 4 < count  # microbatch i holds rows i and i + 4
     want = jax.tree.map(lambda g: jnp.sum(g[ran], 0), per_example)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grads, want)
-    np.testing.assert_allclose(aux.values, jnp.where(ran, values, 0.0), rtol=1e-6)
+    assert_close(grads, want, terms=count)
+    assert_close(aux.values, jnp.where(ran, values, 0.0))
 
 
 def test_negative_batch_argnums_count_from_the_end():
     params, x, y = _problem(2, 4)
     grads, aux = micro_grad(_loss, batch_argnums=(1, -1), microbatch_size=2)(params, x, y)
     values, per_example = _reference(params, x, y)
-    np.testing.assert_allclose(aux.values, values, rtol=1e-6)
-    jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(g, jnp.sum(w, 0), rtol=1e-5, atol=1e-6),
-        grads,
-        per_example,
-    )
+    assert_close(aux.values, values)
+    assert_close(grads, jax.tree.map(lambda w: jnp.sum(w, 0), per_example), terms=2)

@@ -48,7 +48,10 @@ def test_every_accumulator_matches_the_whole_batch(data, case):
     batched = microbatch(lambda x: fun(x, axis), 0, size, kind, in_axes=axis)
     got = (jax.jit(batched) if jitted else batched)(x)
     assert got.dtype == x.dtype
-    assert_close(got, fun(x, axis), x.dtype, terms=x.shape[axis] // size)
+    want = fun(x, axis)
+    if kind is RUNNING_MEAN and x.shape[axis] == 0:
+        want = jnp.zeros_like(want)  # no microbatch ran: 0, as in optax main
+    assert_close(got, want, terms=x.shape[axis] // size)
 
 
 @settings(max_examples=25, deadline=None)
@@ -65,12 +68,12 @@ def test_a_pytree_of_accumulators_applies_per_subtree(data, case):
             "mean": [_row_mean(x, axis)],
         }
 
-    y = {"w": jnp.arange(x.shape[axis] * 3.0).reshape(x.shape[axis], 3)}
+    y = {"w": jnp.arange(x.shape[axis] * 3, dtype=x.dtype).reshape(x.shape[axis], 3)}
     accumulator = {"rows": CONCAT, "total": SUM, "mean": [MEAN]}
     batched = microbatch(fun, (0, 1), size, accumulator, in_axes=(axis, {"w": 0}))
     got = jax.jit(batched)(x, y)
     want = fun(x, y)
-    jax.tree.map(lambda g, w: assert_close(g, w, jnp.float32, terms=4), got, want)
+    assert_close(got, want, terms=x.shape[axis] // size)
 
 
 def test_microbatches_take_every_nth_row():
@@ -94,7 +97,7 @@ def test_unbatched_arguments_pass_through_whole():
     fun = lambda w, x, *, bias: x @ w + bias[None]  # noqa: E731
     w, x = jnp.ones((3, 2)), jnp.arange(24.0).reshape(8, 3)
     got = microbatch(fun, 1, 4, CONCAT)(w, x, bias=jnp.ones(2))
-    np.testing.assert_allclose(got, fun(w, x, bias=jnp.ones(2)))
+    assert_close(got, fun(w, x, bias=jnp.ones(2)))
 
 
 def test_batch_passed_by_keyword_or_position_either_way():
@@ -126,7 +129,7 @@ def test_keyword_only_and_var_keyword_batch_arguments():
 def test_negative_in_axes_count_from_the_end():
     x = jnp.arange(24.0).reshape(2, 3, 4)
     got = microbatch(lambda x: jnp.sum(x, axis=-1), 0, 2, in_axes=-1)(x)
-    np.testing.assert_allclose(got, jnp.sum(x, axis=-1))
+    assert_close(got, jnp.sum(x, axis=-1))
 
 
 def test_in_axes_pytree_prefix_with_unbatched_leaves():
@@ -147,7 +150,7 @@ def test_custom_accumulator_sees_shape_dtype_and_index():
 
     acc = Accumulator(
         init=init,
-        update=lambda carry, x, i: carry.at[i].set(jnp.sum(x)),
+        update=lambda carry, x, i: carry.at[i].set(jnp.sum(x, dtype=carry.dtype)),
         finalize=lambda carry: carry * 10,
         aggregate=lambda x: x,
     )
@@ -161,7 +164,7 @@ def test_microbatch_size_none_is_the_function_itself(kind):
     fun = lambda x: (x * 2.0, jnp.sum(x))  # noqa: E731
     x = jnp.arange(6.0)
     got = microbatch(fun, 0, None, kind)(x)
-    jax.tree.map(np.testing.assert_array_equal, got, fun(x))
+    jax.tree.map(np.testing.assert_array_equal, got, fun(x))  # exact: fun runs once, whole
 
 
 def test_empty_batch_gives_shaped_results():
@@ -169,8 +172,9 @@ def test_empty_batch_gives_shaped_results():
     fun = lambda x: (jnp.sum(x, axis=0), jnp.mean(x, axis=0), x * 2, jnp.mean(x))  # noqa: E731
     total, mean, rows, running = microbatch(fun, 0, 4, (SUM, MEAN, CONCAT, RUNNING_MEAN))(x)
     np.testing.assert_array_equal(total, jnp.zeros(3))
-    assert mean.shape == (3,) and bool(jnp.all(jnp.isnan(mean)))
-    assert running.shape == () and bool(jnp.isnan(running))
+    # Checked on the host: an XLA isnan is folded to False under fast math without NaNs.
+    assert mean.shape == (3,) and np.all(np.isnan(np.asarray(mean)))
+    assert running.shape == () and float(running) == 0.0  # no microbatch ran, as in optax main
     assert rows.shape == (0, 3) and rows.dtype == jnp.float32
 
 
@@ -184,7 +188,7 @@ def test_static_num_real_microbatches_runs_the_first_k(count):
     assert got[1] == sum(per_microbatch[:count]) / 4
     kept = jnp.where(jnp.arange(8) % 4 < count, x, 0)
     np.testing.assert_array_equal(got[2], kept)
-    np.testing.assert_allclose(got[3], np.mean(per_microbatch[:count]) if count else 0.0)
+    assert_close(got[3], np.mean(per_microbatch[:count]) if count else 0.0, terms=count)
 
 
 @pytest.mark.parametrize("kind", [MEAN, RUNNING_MEAN, SUM])

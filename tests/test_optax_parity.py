@@ -1,6 +1,5 @@
 """Same calls, same results as ``optax.microbatching`` 0.2.8 (a test-only dependency)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +8,7 @@ from hypothesis import strategies as st
 
 import microbatching
 
-from .strategies import microbatch_sizes, random_array
+from .strategies import assert_close, microbatch_sizes, random_array
 
 optax_mb = pytest.importorskip("optax.microbatching")
 
@@ -26,10 +25,6 @@ def _fun(w, x, y):
 def _accumulators(module, kind):
     t = module.AccumulationType
     return {"rows": t.CONCAT, "total": t.SUM, "mean": getattr(t, kind), "scalar_rows": t.CONCAT}
-
-
-def _close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
@@ -50,7 +45,7 @@ def test_microbatch_matches_optax(seed, rows, kind, data):
         )
         for m in (microbatching, optax_mb)
     ]
-    jax.tree.map(_close, *results)
+    assert_close(*results, terms=rows // size)
 
 
 @settings(max_examples=15, deadline=None)
@@ -67,7 +62,7 @@ def test_micro_vmap_matches_optax(seed, rows, data):
         )(x)
         for m in (microbatching, optax_mb)
     ]
-    _close(*results)
+    assert_close(*results, terms=rows // size)
 
 
 @pytest.mark.parametrize("keep_batch_dim", [True, False])
@@ -92,7 +87,7 @@ def test_micro_grad_matches_optax(keep_batch_dim, kind):
         for m in (microbatching, optax_mb)
     ]
     ours, theirs = ((grads, tuple(aux)) for grads, aux in results)
-    jax.tree.map(_close, ours, theirs)
+    assert_close(ours, theirs, terms=2)
     assert results[0][1]._fields == results[1][1]._fields
 
 

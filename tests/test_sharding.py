@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch, reshape_batch_axis
 
-from .strategies import clipper, random_array
+from .strategies import assert_close, clipper, random_array
 
 MOVES_DATA = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
@@ -78,7 +78,7 @@ def test_transforms_on_a_mesh_move_no_batch_data(axis_type, kind, which):
         x = jax.device_put(X, NamedSharding(mesh, P("data")))
         got = jax.jit(fun)(x)
         counts = collectives(fun, x)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert_close(got, want, terms=8)
     assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
     if kind is AccumulationType.CONCAT:
         assert counts["all-reduce"] == 0
@@ -105,7 +105,7 @@ def _reference_grads(params, x):
 )
 def test_clipped_micro_grad_with_replicated_params(axis_type, mesh_shape, names):
     mesh = _mesh(axis_type, mesh_shape, names)
-    params = {"w": W, "b": jnp.ones(16)}
+    params = {"w": W, "b": jnp.ones(16, W.dtype)}
     grad_fn = micro_grad(
         _loss, microbatch_size=16, transform_fn=_clip, metrics_fn=lambda g: jnp.sum(g["w"])
     )
@@ -115,7 +115,7 @@ def test_clipped_micro_grad_with_replicated_params(axis_type, mesh_shape, names)
         grads, aux = jax.jit(grad_fn)(replicated, x)
         counts = collectives(grad_fn, replicated, x)
     want = _reference_grads(params, X)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), grads, want)
+    assert_close(grads, want, terms=16)
     assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
     assert counts["all-reduce"] == 1
     for per_example in (aux.values, aux.metrics):
@@ -131,7 +131,7 @@ def test_batch_axis_other_than_zero_on_a_mesh(axis_type):
         x = jax.device_put(X.T, NamedSharding(mesh, P(None, "data")))
         got = jax.jit(fun)(x)
         counts = collectives(fun, x)
-    np.testing.assert_allclose(got, microbatch(jnp.tanh, 0, 16, in_axes=1)(X.T), rtol=1e-5)
+    assert_close(got, microbatch(jnp.tanh, 0, 16, in_axes=1)(X.T), terms=16)
     assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
 
 
@@ -153,7 +153,7 @@ def test_auto_microbatch_size_not_a_multiple_of_the_shards_is_still_correct():
     with jax.set_mesh(mesh):
         x = jax.device_put(X, NamedSharding(mesh, P("data")))
         got = jax.jit(fun)(x)
-    np.testing.assert_allclose(got, _rows(X), rtol=1e-5, atol=1e-6)
+    assert_close(got, _rows(X))
 
 
 def test_reshape_batch_axis_keeps_the_sharding_on_the_microbatch_axis():
@@ -171,7 +171,7 @@ def test_reshape_batch_axis_keeps_the_sharding_on_the_microbatch_axis():
 @pytest.mark.parametrize("kind", ["SUM", "MEAN", "RUNNING_MEAN"])
 def test_explicit_reductions_all_reduce_once_after_the_loop(kind):
     mesh = _mesh(AxisType.Explicit)
-    params = {"w": W, "b": jnp.ones(16)}
+    params = {"w": W, "b": jnp.ones(16, W.dtype)}
     grad_fn = micro_grad(_loss, microbatch_size=16, accumulator=AccumulationType[kind])
     vmap_fn = micro_vmap(_rows, microbatch_size=16, accumulator=AccumulationType[kind])
     with jax.set_mesh(mesh):
@@ -181,7 +181,7 @@ def test_explicit_reductions_all_reduce_once_after_the_loop(kind):
         assert all_reduces_in_loops(grad_fn, replicated, x) == 0
         assert all_reduces_in_loops(vmap_fn, x) == 0
         got = jax.jit(vmap_fn)(x)
-    np.testing.assert_allclose(got, jax.jit(vmap_fn)(X), rtol=2e-5, atol=2e-6)
+    assert_close(got, jax.jit(vmap_fn)(X), terms=8)
 
 
 def test_auto_reductions_are_left_to_xla():
@@ -198,16 +198,12 @@ def test_auto_reductions_are_left_to_xla():
 def test_explicitly_sharded_inputs_without_a_mesh_context(jitted):
     mesh = _mesh(AxisType.Explicit)
     x = jax.device_put(X, NamedSharding(mesh, P("data")))
-    params = {"w": W, "b": jnp.ones(16)}
+    params = {"w": W, "b": jnp.ones(16, W.dtype)}
     grad_fn = micro_grad(_loss, microbatch_size=16, transform_fn=_clip)
     concat = micro_vmap(_rows, microbatch_size=16)
     maybe_jit = jax.jit if jitted else (lambda f: f)
     grads, _ = maybe_jit(grad_fn)(params, x)
     rows = maybe_jit(concat)(x)
-    jax.tree.map(
-        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
-        grads,
-        _reference_grads(params, X),
-    )
-    np.testing.assert_allclose(rows, _rows(X), rtol=1e-5, atol=1e-6)
+    assert_close(grads, _reference_grads(params, X), terms=16)
+    assert_close(rows, _rows(X))
     assert rows.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)

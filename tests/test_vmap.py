@@ -48,8 +48,10 @@ def test_matches_jax_vmap_for_every_accumulator(data, case):
     )
     got = (jax.jit(mapped) if data.draw(st.booleans()) else mapped)(x, w)
     want = REDUCE[kind](jax.vmap(lambda x, w: _per_example(x, w)["out"], (axis, None))(x, w))
+    if kind is AccumulationType.RUNNING_MEAN and x.shape[axis] == 0:
+        want = jnp.zeros_like(want)  # no microbatch ran: 0, as in optax main
     assert got.dtype == want.dtype
-    assert_close(got, want, x.dtype, terms=max(1, x.shape[axis] // size))
+    assert_close(got, want, terms=x.shape[axis] // size)
 
 
 @settings(max_examples=20, deadline=None)
@@ -66,8 +68,8 @@ def test_pytree_outputs_and_keyword_arguments(seed, rows, data):
     mapped = micro_vmap(fun, (0, None), microbatch_size=size, accumulator=accumulator)
     got = mapped(x, 2.0, y=y)
     want = jax.vmap(fun, (0, None))(x, 2.0, y=y)
-    assert_close(got["rows"], want["rows"], jnp.float32)
-    assert_close(got["norm"], jnp.mean(want["norm"]), jnp.float32, terms=4)
+    assert_close(got["rows"], want["rows"])
+    assert_close(got["norm"], jnp.mean(want["norm"]), terms=rows // size)
 
 
 def test_int_in_axes_maps_every_positional_argument():
@@ -84,7 +86,7 @@ def test_vmap_fn_is_used_on_each_microbatch():
         return jax.vmap(fun, in_axes, out_axes)
 
     got = micro_vmap(jnp.sin, microbatch_size=2, vmap_fn=recording_vmap)(jnp.arange(4.0))
-    np.testing.assert_allclose(got, jnp.sin(jnp.arange(4.0)))
+    assert_close(got, jnp.sin(jnp.arange(4.0)))
     assert calls == [(0, 0)]
 
 
@@ -92,14 +94,14 @@ def test_vmap_fn_with_options_from_partial():
     vmap_fn = functools.partial(jax.vmap, axis_name="batch")
     fun = lambda x: x - jax.lax.pmean(x, "batch")  # noqa: E731 - mean within the microbatch
     got = micro_vmap(fun, microbatch_size=2, vmap_fn=vmap_fn)(jnp.arange(4.0))
-    np.testing.assert_allclose(got, [-1.0, -1.0, 1.0, 1.0])
+    assert_close(got, [-1.0, -1.0, 1.0, 1.0])
 
 
 @pytest.mark.parametrize("kind", list(AccumulationType))
 def test_no_microbatching_still_reduces(kind):
     x = jnp.arange(8.0)
     got = micro_vmap(jnp.square, microbatch_size=None, accumulator=kind)(x)
-    np.testing.assert_allclose(got, REDUCE[kind](x**2))
+    assert_close(got, REDUCE[kind](x**2))
 
 
 def test_empty_batch():
@@ -123,4 +125,4 @@ def test_sum_of_booleans_counts_them_and_small_ints_promote():
 def test_numpy_integers_for_in_axes_and_out_axes():
     x = jnp.arange(4.0)
     got = micro_vmap(jnp.sin, np.int64(0), np.int64(0), microbatch_size=2)(x)
-    np.testing.assert_allclose(got, jnp.sin(x))
+    assert_close(got, jnp.sin(x))

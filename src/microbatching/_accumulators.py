@@ -1,4 +1,9 @@
-"""How microbatch results are combined: ``AccumulationType``, ``Accumulator`` and the built-ins."""
+"""How microbatch results are combined: ``AccumulationType``, ``Accumulator`` and the built-ins.
+
+The built-in reductions accumulate floating results narrower than 32 bits in float32 (or
+in ``accumulation_dtype``) and give back ``fun``'s dtype; the wider carry travels as a
+``_layout.Open`` reduction until the loop closes it.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _sharding
+from . import _layout
+from ._layout import Open, is_open
 from ._typing import PyTree, PyTreeFn, UpdateFn
 
 
@@ -72,130 +78,122 @@ class Accumulator:
     finalize: PyTreeFn
     aggregate: PyTreeFn
 
+    def __post_init__(self) -> None:
+        for field in ("init", "update", "finalize", "aggregate"):
+            value = getattr(self, field)
+            if not callable(value):
+                raise TypeError(
+                    f"Accumulator.{field} must be callable, got {field}={value!r}; see the "
+                    "Accumulator docstring for what each function receives."
+                )
 
-def _leafwise(
-    init: Callable[[Any], Any],
-    update: Callable[[Any, Any, Any], Any],
-    finalize: Callable[[Any], Any],
-    aggregate: Callable[[Any], Any],
+
+def accumulation_dtype(dtype: Any, requested: Any) -> Any:
+    """The dtype a built-in reduction accumulates ``dtype`` in.
+
+    Floating dtypes narrower than 32 bits widen to float32 unless ``requested`` names
+    another floating dtype; integer, boolean and complex results keep their own.
+    """
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(dtype)
+    if requested is not None:
+        return jnp.dtype(requested)
+    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else jnp.dtype(dtype)
+
+
+def _reduction(
+    how: str,
+    step: Callable[[Any, Any, Any], Any],
+    finish: Callable[[Any], Any],
+    requested: Any,
+    kind: str | None = None,
+    mesh_axes: tuple[str, ...] | None = None,
 ) -> Accumulator:
-    """An Accumulator that applies per-array functions to every leaf of a subtree."""
+    """A built-in reduction: ``step`` folds a result into the carry, ``finish`` ends it.
+
+    Both see plain arrays in the accumulation dtype; open reductions are unwrapped and
+    wrapped again around them. ``kind`` names a reduction that needs floating results.
+    """
+
+    def init(s: Any) -> Any:
+        if is_open(s):
+            return Open(jax.lax.full_like(s.value, 0), s.dtype, s.merge)
+        _check_inexact(kind, s)
+        wide = accumulation_dtype(s.dtype, requested)
+        zeros = jax.lax.full_like(s, 0, wide)
+        return zeros if wide == s.dtype else Open(zeros, s.dtype)
+
+    def update(c: Any, x: Any, i: Any) -> Any:
+        if is_open(c):
+            new = step(c.value, _layout.value(x).astype(c.value.dtype), i)
+            return Open(new, c.dtype, c.merge)
+        return step(c, x, i).astype(c.dtype)
+
+    def finalize(c: Any) -> Any:
+        if is_open(c):
+            return Open(finish(c.value), c.dtype, c.merge)
+        return finish(c).astype(c.dtype)
+
+    def aggregate(x: Any) -> Any:
+        dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
+        return _layout.reduce_rows(x, how, accumulation_dtype(dtype, requested), dtype, mesh_axes)
+
     return Accumulator(
-        init=lambda tree: jax.tree.map(init, tree),
-        update=lambda carry, tree, i: jax.tree.map(lambda c, x: update(c, x, i), carry, tree),
-        finalize=lambda carry: settle(jax.tree.map(finalize, carry)),
+        init=lambda tree: jax.tree.map(init, tree, is_leaf=is_open),
+        update=lambda carry, tree, i: jax.tree.map(
+            lambda c, x: update(c, x, i), carry, tree, is_leaf=is_open
+        ),
+        finalize=lambda carry: jax.tree.map(finalize, carry, is_leaf=is_open),
         aggregate=lambda tree: jax.tree.map(aggregate, tree),
     )
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=["how"])
-@dataclasses.dataclass(frozen=True)
-class _PerShard:
-    """A reduction left open: one partial result per shard of the batch axis (axis 0).
-
-    Accumulating these instead of the reduced value keeps every device's partial sum on
-    that device for the whole loop; ``settle`` combines them with one all-reduce at the end.
-    """
-
-    parts: Any
-    how: str
-
-
-def settle(tree: PyTree) -> PyTree:
-    """Combines every open per-shard reduction in ``tree``."""
-
-    def close(x: Any) -> Any:
-        if not isinstance(x, _PerShard):
-            return x
-        reduce = jnp.sum if x.how == "sum" else jnp.mean
-        return reduce(x.parts, axis=0, dtype=x.parts.dtype)
-
-    return jax.tree.map(close, tree, is_leaf=lambda x: isinstance(x, _PerShard))
-
-
-def _rows(how: str) -> Callable[[jax.Array], Any]:
-    """Reduces axis 0 (the batch) with ``how``; per shard when it is explicitly sharded.
-
-    Floating results keep their dtype; integer and boolean sums promote as ``jnp.sum`` does
-    (a sum of booleans counts them).
-    """
-    reduce = jnp.sum if how == "sum" else jnp.mean
-
-    def rows(x: jax.Array, axis: int) -> jax.Array:
-        dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else None
-        return reduce(x, axis=axis, dtype=dtype)
-
-    def aggregate(x: jax.Array) -> Any:
-        sharding = _sharding.explicit_sharding(x)
-        spec = None if sharding is None else _sharding.spec_of(sharding, x.ndim)
-        shards = 1 if sharding is None or not spec else _sharding.num_shards(sharding, spec[0])
-        if shards == 1 or sharding is None or spec is None:
-            return rows(x, 0)
-        parts = jnp.reshape(
-            x,
-            (shards, x.shape[0] // shards, *x.shape[1:]),
-            out_sharding=_sharding.with_spec(sharding, [spec[0], None, *spec[1:]]),
+def _check_inexact(kind: str | None, x: Any) -> None:
+    """Means of integers or booleans would change the result's type: refuse them."""
+    if kind is not None and not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ValueError(
+            f"AccumulationType.{kind} needs floating-point results, but fun returned a leaf "
+            f"of dtype {x.dtype} and shape {x.shape}; cast it to a float dtype inside fun, "
+            "or accumulate it with AccumulationType.SUM."
         )
-        return _PerShard(rows(parts, 1), how)
-
-    return aggregate
 
 
-def _inexact(kind: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Wraps ``fn`` to refuse integer and boolean leaves, which a mean would change the type of."""
-
-    def checked(x: Any) -> Any:
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            raise ValueError(
-                f"AccumulationType.{kind} needs floating-point results, but fun returned a leaf "
-                f"of dtype {x.dtype} and shape {x.shape}; cast it to a float dtype inside fun, "
-                "or accumulate it with AccumulationType.SUM."
-            )
-        return fn(x)
-
-    return checked
+def sum_(requested: Any = None, mesh_axes: tuple[str, ...] | None = None) -> Accumulator:
+    """Sums the results."""
+    return _reduction("sum", lambda c, x, i: c + x, lambda c: c, requested, None, mesh_axes)
 
 
-def _zeros(struct: Any) -> jax.Array:
-    return _full(struct, 0)
-
-
-def _full(struct: Any, value: float, shape: tuple[int, ...] | None = None, spec=None) -> jax.Array:
-    """An array like ``struct`` (keeping an explicit sharding, or ``spec`` on it) filled."""
-    sharding = _sharding.explicit_sharding(struct)
-    if sharding is not None and spec is not None:
-        sharding = _sharding.with_spec(sharding, spec)
-    shape = struct.shape if shape is None else shape
-    return jnp.full(shape, value, struct.dtype, out_sharding=sharding)
-
-
-def sum_() -> Accumulator:
-    """Sums the results, in their own dtype."""
-    return _leafwise(_zeros, lambda c, x, i: c + x, lambda c: c, _rows("sum"))
-
-
-def mean(num_microbatches: int) -> Accumulator:
+def mean(
+    num_microbatches: int, requested: Any = None, mesh_axes: tuple[str, ...] | None = None
+) -> Accumulator:
     """Sums, then divides by ``num_microbatches`` (NaN when there are none)."""
-    return _leafwise(
-        _inexact("MEAN", _zeros),
+    return _reduction(
+        "mean",
         lambda c, x, i: c + x,
-        lambda c: (c / jnp.asarray(num_microbatches, c.dtype)).astype(c.dtype),
-        _inexact("MEAN", _rows("mean")),
+        lambda c: c / jnp.asarray(num_microbatches, c.dtype),
+        requested,
+        "MEAN",
+        mesh_axes,
     )
 
 
-def running_mean(num_microbatches: int) -> Accumulator:
-    """Keeps the mean of the results seen so far: 0 until the first, NaN for an empty batch."""
+def running_mean(
+    num_microbatches: int, requested: Any = None, mesh_axes: tuple[str, ...] | None = None
+) -> Accumulator:
+    """The mean of the results so far: 0 until the first (and for an empty batch).
 
-    def update(c: jax.Array, x: jax.Array, i: Any) -> jax.Array:
-        return jnp.where(i == 0, x, c + (x - c) / jnp.asarray(i + 1, c.dtype)).astype(c.dtype)
+    The update ``c * (i / (i + 1)) + x / (i + 1)`` never forms ``x - c``, which
+    overflows when the two have opposite signs near the dtype's maximum.
+    """
 
-    def finalize(c: jax.Array) -> jax.Array:
-        return c if num_microbatches else jnp.full_like(c, jnp.nan)
+    def step(c: jax.Array, x: jax.Array, i: Any) -> jax.Array:
+        count = jnp.asarray(i + 1, c.dtype)
+        return jnp.where(i == 0, x, c * ((count - 1) / count) + x / count)
 
-    return _leafwise(
-        _inexact("RUNNING_MEAN", _zeros), update, finalize, _inexact("RUNNING_MEAN", _rows("mean"))
-    )
+    def finish(c: jax.Array) -> jax.Array:
+        return c
+
+    return _reduction("mean", step, finish, requested, "RUNNING_MEAN", mesh_axes)
 
 
 def concat(num_microbatches: int) -> Accumulator:
@@ -203,60 +201,101 @@ def concat(num_microbatches: int) -> Accumulator:
 
     Result ``i`` (``k`` rows) goes to column ``i`` of a ``(k, n, ...)`` buffer, whose
     row-major merge of the first two axes puts its row ``j`` at ``j * n + i``: the row
-    microbatch ``i`` read from the batch. A scalar result is stored at index ``i``.
+    microbatch ``i`` read from the batch. A scalar result is stored at index ``i``. The
+    buffer is built from a zero result, so it keeps the result's sharding.
     """
     n = num_microbatches
 
     def init(s: Any) -> jax.Array:
         if not s.shape:
-            return _full(s, 0, (n,), [None])
-        sharding = _sharding.explicit_sharding(s)
-        spec = None if sharding is None else _sharding.spec_of(sharding, len(s.shape))
-        spec = None if spec is None else [spec[0], None, *spec[1:]]
-        return _full(s, 0, (s.shape[0], n, *s.shape[1:]), spec)
+            return jnp.zeros((n,), s.dtype)
+        zeros = jnp.expand_dims(jax.lax.full_like(s, 0), 1)
+        return jnp.broadcast_to(zeros, (s.shape[0], n, *s.shape[1:]))
 
     def update(carry: jax.Array, x: jax.Array, i: Any) -> jax.Array:
         axis = 1 if x.ndim else 0
         return jax.lax.dynamic_update_index_in_dim(carry, x.astype(carry.dtype), i, axis)
 
     def finalize(carry: jax.Array) -> jax.Array:
-        return carry if carry.ndim == 1 else _merge(carry)
+        if carry.ndim == 1:
+            return carry
+        return carry.reshape(carry.shape[0] * carry.shape[1], *carry.shape[2:])
 
-    return _leafwise(init, update, finalize, lambda x: x)
+    return Accumulator(
+        init=lambda tree: jax.tree.map(init, tree),
+        update=lambda carry, tree, i: jax.tree.map(lambda c, x: update(c, x, i), carry, tree),
+        finalize=lambda carry: jax.tree.map(finalize, carry),
+        aggregate=lambda tree: tree,
+    )
 
 
-def _merge(carry: jax.Array) -> jax.Array:
-    return carry.reshape(carry.shape[0] * carry.shape[1], *carry.shape[2:])
-
-
-def _builtin(kind: AccumulationType, num_microbatches: int) -> Accumulator:
+def _builtin(
+    kind: AccumulationType, num_microbatches: int, requested: Any, mesh_axes: Any
+) -> Accumulator:
     if kind is AccumulationType.SUM:
-        return sum_()
+        return sum_(requested, mesh_axes)
     if kind is AccumulationType.MEAN:
-        return mean(num_microbatches)
+        return mean(num_microbatches, requested, mesh_axes)
     if kind is AccumulationType.RUNNING_MEAN:
-        return running_mean(num_microbatches)
+        return running_mean(num_microbatches, requested, mesh_axes)
     return concat(num_microbatches)
 
 
+def _foreign(leaf: Any) -> Any:
+    """An optax.microbatching accumulator leaf, as ours (optax is never imported)."""
+    kind = type(leaf)
+    if not kind.__module__.startswith("optax"):
+        return None
+    if (
+        kind.__name__ == "AccumulationType"
+        and getattr(leaf, "name", None) in AccumulationType.__members__
+    ):
+        return AccumulationType[leaf.name]
+    if kind.__name__ == "Accumulator":
+        return Accumulator(leaf.init, leaf.update, leaf.finalize, leaf.aggregate)
+    return None
+
+
 def _is_spec(x: Any) -> bool:
-    return isinstance(x, Accumulator | AccumulationType)
+    return isinstance(x, Accumulator | AccumulationType) or _foreign(x) is not None
 
 
-def check_tree(accumulator: Any) -> None:
-    """Wrap-time check: every leaf of ``accumulator`` is an Accumulator or AccumulationType."""
-    for leaf in jax.tree.leaves(accumulator, is_leaf=_is_spec):
-        if not _is_spec(leaf):
+def ensure_tree(accumulator: Any) -> Any:
+    """Wrap-time check: every leaf is an AccumulationType or an Accumulator (ours or optax's).
+
+    Returns the tree with optax's leaves replaced by ours.
+    """
+
+    def ensure(leaf: Any) -> Any:
+        if isinstance(leaf, Accumulator | AccumulationType):
+            return leaf
+        ours = _foreign(leaf)
+        if ours is None:
             raise TypeError(
                 f"accumulator leaves must be AccumulationType or Accumulator, got {leaf!r} of "
                 f"type {type(leaf).__name__}; e.g. accumulator=AccumulationType.SUM."
             )
+        return ours
+
+    return jax.tree.map(ensure, accumulator, is_leaf=_is_spec)
 
 
-def combine(accumulator: Any, num_microbatches: int) -> Accumulator:
-    """One Accumulator for a whole output, from a pytree prefix of per-subtree specs."""
+def combine(
+    accumulator: Any,
+    num_microbatches: int,
+    requested: Any = None,
+    mesh_axes: tuple[str, ...] | None = None,
+) -> Accumulator:
+    """One Accumulator for a whole output, from a pytree prefix of per-subtree specs.
+
+    ``requested`` is the ``accumulation_dtype`` of the built-in reductions; ``mesh_axes``
+    the mesh axes the rows are sharded over, where the types do not say (Auto meshes).
+    """
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
-    accs = [s if isinstance(s, Accumulator) else _builtin(s, num_microbatches) for s in specs]
+    accs = [
+        s if isinstance(s, Accumulator) else _builtin(s, num_microbatches, requested, mesh_axes)
+        for s in specs
+    ]
 
     def split(tree: PyTree) -> list[Any]:
         try:
@@ -278,3 +317,28 @@ def combine(accumulator: Any, num_microbatches: int) -> Accumulator:
         finalize=lambda carry: each(lambda a, c: a.finalize(c), carry),
         aggregate=lambda tree: each(lambda a, t: a.aggregate(t), tree),
     )
+
+
+def is_linear(accumulator: Any) -> bool:
+    """Whether every leaf is SUM, MEAN or RUNNING_MEAN: reductions that commute with sums."""
+    linear = {AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.RUNNING_MEAN}
+    return all(leaf in linear for leaf in jax.tree.leaves(accumulator, is_leaf=_is_spec))
+
+
+def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
+    """A microbatch's aggregate from the sum of its rows: divided by ``rows`` for means."""
+    specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
+    parts = treedef.flatten_up_to(sums)
+    scaled = [
+        part
+        if spec is AccumulationType.SUM
+        else jax.tree.map(lambda x: _scale(x, 1 / rows), part, is_leaf=is_open)
+        for spec, part in zip(specs, parts, strict=True)
+    ]
+    return treedef.unflatten(scaled)
+
+
+def _scale(x: Any, factor: float) -> Any:
+    if is_open(x):
+        return Open(x.value * jnp.asarray(factor, x.value.dtype), x.dtype, x.merge)
+    return x * jnp.asarray(factor, x.dtype)

@@ -2,41 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
-from . import _accumulators, _arguments
+from . import _accumulators, _checks, _examples, _signature, _vmap
 from ._accumulators import AccumulationType
+from ._examples import Aux, identity, no_metrics
+from ._microbatch import wraps
 from ._typing import Count, P, PyTree
-from ._vmap import micro_vmap
-
-
-class Aux(NamedTuple):
-    """Per-example outputs of a ``micro_grad`` function, each stacked on axis 0.
-
-    Attributes:
-      values: The value of ``fun`` for each example.
-      metrics: ``metrics_fn`` of each example's gradient.
-      aux: The auxiliary output of ``fun`` for each example (None without ``has_aux``).
-
-    >>> Aux(values=1.0, metrics=None, aux=None).values
-    1.0
-    """
-
-    values: PyTree
-    metrics: PyTree
-    aux: PyTree
-
-
-def _identity(tree: PyTree) -> PyTree:
-    return tree
-
-
-def _no_metrics(tree: PyTree) -> None:
-    del tree
 
 
 def micro_grad(
@@ -48,9 +23,12 @@ def micro_grad(
     keep_batch_dim: bool = True,
     microbatch_size: int | None = None,
     accumulator: Any = AccumulationType.SUM,
-    transform_fn: Callable[[PyTree], PyTree] = _identity,
-    metrics_fn: Callable[[PyTree], PyTree] = _no_metrics,
+    transform_fn: Callable[[PyTree], PyTree] = identity,
+    metrics_fn: Callable[[PyTree], PyTree] = no_metrics,
     num_real_microbatches: Count = None,
+    l2_clip_norm: float | None = None,
+    accumulation_dtype: Any = None,
+    batch_mesh_axes: str | tuple[str, ...] | None = None,
 ) -> Callable[P, tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
@@ -75,6 +53,14 @@ def micro_grad(
       metrics_fn: Applied to each example's gradient before ``transform_fn``; returned
         per example in ``Aux.metrics``, so keep it small (a norm, a sign...).
       num_real_microbatches: See ``microbatch``.
+      l2_clip_norm: If set, each example's gradient is first scaled by
+        ``min(1, l2_clip_norm / ||g_b||)``, its L2 norm taken over the whole gradient
+        tree, then given to ``transform_fn``: the clipping of DP-SGD. With the default
+        ``transform_fn`` and SUM or MEAN this never forms the clipped per-example
+        gradients: it computes the norms, then one gradient of the loss weighted by the
+        clip factors. ``metrics_fn`` sees the gradients before clipping.
+      accumulation_dtype: See ``microbatch``.
+      batch_mesh_axes: See ``micro_vmap``.
 
     Returns:
       A function returning ``(accumulated transformed gradients, Aux)``.
@@ -109,45 +95,51 @@ def micro_grad(
     >>> grads
     Array([-3.], dtype=float32)
     """
-    batch_nums = _arguments.BatchArguments.create(
-        fun, batch_argnums, (), 0, "batch_argnums"
-    ).argnums
-    grad_nums = _arguments.BatchArguments.create(fun, argnums, (), 0).argnums
-    _accumulators.check_tree(accumulator)
-    loss_and_aux = fun if has_aux else lambda *a, **k: (fun(*a, **k), None)
-    value_and_grad = jax.value_and_grad(
-        loss_and_aux, grad_nums if isinstance(argnums, Sequence) else grad_nums[0], has_aux=True
+    axes = _signature.grad_axes(fun, batch_argnums)
+    grad_nums = _signature.differentiated(fun, argnums)
+    example = _examples.Examples(
+        fun,
+        axes,
+        grad_nums if isinstance(argnums, Sequence) else grad_nums[0],
+        _checks.ensure_bool("has_aux", has_aux),
+        _checks.ensure_bool("keep_batch_dim", keep_batch_dim),
     )
-
-    def per_example(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        if keep_batch_dim:
-            args = tuple(
-                jax.tree.map(lambda x: x[None], a) if i in batch_nums else a
-                for i, a in enumerate(args)
-            )
-        (value, aux), grads = value_and_grad(*args, **kwargs)
-        return transform_fn(grads), Aux(value, metrics_fn(grads), aux)
-
-    name = _arguments.function_name(fun)
-
-    @functools.wraps(fun, updated=())
-    def gradients(*args: P.args, **kwargs: P.kwargs) -> tuple[PyTree, Aux]:
-        with jax.named_scope(f"micro_grad({name})"):
-            if max(batch_nums) >= len(args):
-                raise TypeError(
-                    f"{batch_argnums=} but {name} was called with {len(args)} positional "
-                    "argument(s); pass the batch arguments by position."
-                )
-            _arguments.check_mapped_keywords(
-                kwargs, "micro_grad", "by position, outside batch_argnums"
-            )
-            mapped = micro_vmap(
-                per_example,
-                in_axes=[0 if i in batch_nums else None for i in range(len(args))],
-                microbatch_size=microbatch_size,
-                accumulator=(accumulator, AccumulationType.CONCAT),
-                num_real_microbatches=num_real_microbatches,
-            )
-            return mapped(*args, **kwargs)
-
-    return gradients
+    transform = _checks.ensure_callable("transform_fn", transform_fn)
+    metrics = _checks.ensure_callable("metrics_fn", metrics_fn)
+    accumulators = _accumulators.ensure_tree(accumulator)
+    requested = _checks.ensure_accumulation_dtype(accumulation_dtype)
+    mesh_axes = _checks.ensure_mesh_axes(batch_mesh_axes)
+    clip = _checks.ensure_clip_norm(l2_clip_norm)
+    size = _checks.ensure_microbatch_size(microbatch_size)
+    count = _checks.ensure_count(num_real_microbatches)
+    if transform is identity and _accumulators.is_linear(accumulators):
+        summed = _examples.summed(
+            example,
+            accumulators,
+            clip,
+            None if metrics is no_metrics else metrics,
+            requested,
+            mesh_axes,
+        )
+        looped = _vmap.loop_over(
+            summed,
+            axes,
+            size,
+            (accumulators, AccumulationType.CONCAT),
+            count,
+            requested,
+            "micro_grad",
+        )
+    else:
+        looped = _vmap.build(
+            _examples.per_example(example, clip, transform, metrics),
+            axes,
+            size,
+            jax.vmap,
+            (accumulators, AccumulationType.CONCAT),
+            count,
+            requested,
+            mesh_axes,
+            "micro_grad",
+        )
+    return wraps(fun, looped)

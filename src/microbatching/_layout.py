@@ -1,19 +1,175 @@
-"""How microbatch ``i`` is read from a batch, without copying the batch.
+"""How microbatch ``i`` is read from a batch, and how reductions of its rows are kept open.
 
 Microbatch ``i`` of a batch of ``B = m * n`` rows (``m = microbatch_size``,
 ``n = B // m``) holds rows ``i, i + n, i + 2n, ...``. The row-major view of the batch
 axis as ``(m, n)`` is free (a bitcast), and microbatch ``i`` is its column ``i``:
 reading it gathers ``m`` rows, and nothing else of the batch is copied.
+
+A reduction over the rows of a microbatch (``micro_vmap`` with ``SUM``, ``MEAN``...) may be
+left *open*: kept in a wider accumulation dtype, and, when the rows are sharded, as one
+partial result per shard, so that the loop adds up partials on each device and the
+devices combine them once, after the loop (``close``).
 """
 
+import dataclasses
+import functools
+import math
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from . import _sharding
-from ._arguments import ensure_microbatch_size
+from ._checks import ensure_microbatch_size, is_int
 from ._typing import PyTree
+
+REDUCE = {"sum": jnp.sum, "mean": jnp.mean}
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["value"], meta_fields=["dtype", "merge"]
+)
+@dataclasses.dataclass(frozen=True)
+class Open:
+    """A reduction left open until the end of the loop.
+
+    Attributes:
+      value: The running result in the accumulation dtype; with one partial per shard
+        along axis 0 when ``merge`` is set.
+      dtype: The dtype of the closed result.
+      merge: How the per-shard partials combine (``"sum"``, ``"mean"``), or None.
+    """
+
+    value: Any
+    dtype: Any
+    merge: str | None = None
+
+
+def is_open(x: Any) -> bool:
+    return isinstance(x, Open)
+
+
+def value(x: Any) -> Any:
+    """The array inside an open reduction, or ``x`` itself."""
+    return x.value if isinstance(x, Open) else x
+
+
+def close(tree: PyTree) -> PyTree:
+    """Combines the per-shard partials of every open reduction and casts it to its dtype."""
+
+    def close_one(x: Any) -> Any:
+        if not isinstance(x, Open):
+            return x
+        out = x.value if x.merge is None else REDUCE[x.merge](x.value, axis=0)
+        return out.astype(x.dtype)
+
+    return jax.tree.map(close_one, tree, is_leaf=is_open)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """How the rows of a microbatch are spread over devices.
+
+    Attributes:
+      count: The number of shards of the batch axis.
+      entry: The mesh axis name, or tuple of names, that the batch axis is sharded over.
+      explicit: Whether the sharding is in the arrays' types (an Explicit mesh); if not,
+        it is asked of XLA with sharding constraints (``batch_mesh_axes`` on an Auto mesh).
+    """
+
+    count: int
+    entry: Any
+    explicit: bool
+
+
+def shards(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> Shards | None:
+    """How ``leaf``'s batch axis is sharded: from its type, else from ``mesh_axes``."""
+    sharding = _sharding.explicit_sharding(leaf)
+    if sharding is not None:
+        entry = _sharding.spec_of(sharding, leaf.ndim)[axis]
+        count = _sharding.num_shards(sharding, entry)
+        return Shards(count, entry, True) if count > 1 else None
+    if not mesh_axes:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(
+            f"batch_mesh_axes={mesh_axes!r} names mesh axes, but no mesh is set; call the "
+            "function inside `with jax.set_mesh(mesh):`."
+        )
+    missing = [name for name in mesh_axes if name not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"batch_mesh_axes={mesh_axes!r} names {missing}, which the mesh (axes "
+            f"{tuple(mesh.shape)}) does not have; name axes of the mesh."
+        )
+    count = math.prod(mesh.shape[name] for name in mesh_axes)
+    entry = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+    return Shards(count, entry, False) if count > 1 else None
+
+
+def chunk(x: jax.Array, axis: int, where: Shards) -> jax.Array:
+    """Splits ``x``'s batch axis into ``(shards, rows per shard)``, one shard per device."""
+    if x.shape[axis] % where.count:
+        raise ValueError(
+            f"The microbatch has {x.shape[axis]} rows, which the {where.count} shards of mesh "
+            f"axis {where.entry!r} do not divide; use a microbatch_size divisible by "
+            f"{where.count}."
+        )
+    shape = (*x.shape[:axis], where.count, x.shape[axis] // where.count, *x.shape[axis + 1 :])
+    spec = [*[None] * axis, where.entry]
+    if where.explicit:
+        sharding = _sharding.explicit_sharding(x)
+        assert sharding is not None
+        full = _sharding.spec_of(sharding, x.ndim)
+        return jnp.reshape(
+            x,
+            shape,
+            out_sharding=_sharding.with_spec(
+                sharding, [*full[:axis], where.entry, None, *full[axis + 1 :]]
+            ),
+        )
+    return constrain(jnp.reshape(x, shape), where, spec)
+
+
+def unchunk(x: jax.Array, where: Shards) -> jax.Array:
+    """The inverse of ``chunk`` for a result with the shards on axis 0."""
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    if where.explicit:
+        sharding = _sharding.explicit_sharding(x)
+        assert sharding is not None
+        full = _sharding.spec_of(sharding, x.ndim)
+        return jnp.reshape(
+            x, shape, out_sharding=_sharding.with_spec(sharding, [full[0], *full[2:]])
+        )
+    return constrain(jnp.reshape(x, shape), where, [where.entry])
+
+
+def constrain(x: jax.Array, where: Shards, spec: list[Any] | None = None) -> jax.Array:
+    """Asks XLA to shard ``x`` by ``spec`` (default: axis 0 over the shards), on Auto meshes."""
+    if where.explicit:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(spec or [where.entry])))
+
+
+def reduce_rows(
+    x: jax.Array, how: str, wide: Any, dtype: Any, mesh_axes: tuple[str, ...] | None = None
+) -> Any:
+    """Reduces axis 0 (the rows) of ``x`` with ``how`` ("sum" or "mean") in dtype ``wide``.
+
+    The result has ``dtype``. When the rows are sharded (explicitly, or over
+    ``mesh_axes``) the result stays open, one partial per shard; when ``wide`` differs
+    from ``dtype`` it stays open in ``wide``.
+    """
+    reduce = REDUCE[how]
+    where = shards(x, 0, mesh_axes) if x.ndim else None
+    if where is None:
+        out = reduce(x, axis=0, dtype=wide)
+        return out if jnp.dtype(wide) == jnp.dtype(dtype) else Open(out, dtype)
+    parts = reduce(chunk(x, 0, where), axis=1, dtype=wide)
+    return Open(constrain(parts, where), dtype, how)
 
 
 def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Array:
@@ -44,10 +200,16 @@ def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(view, index, axis + 1, keepdims=False)
 
 
-def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> jax.ShapeDtypeStruct:
-    """The shape, dtype and (explicit) sharding of one microbatch of ``leaf``."""
+def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> Any:
+    """The abstract value of one microbatch of ``leaf``.
+
+    It keeps everything of the batch's type but the batch axis's length: its dtype, its
+    sharding, and inside ``shard_map`` the mesh axes it varies over.
+    """
     shape = (*leaf.shape[:axis], microbatch_size, *leaf.shape[axis + 1 :])
-    return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=_sharding.explicit_sharding(leaf))
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
+    return jax.typeof(leaf).update(shape=shape)
 
 
 def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyTree:
@@ -79,6 +241,12 @@ def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyT
     size = ensure_microbatch_size(microbatch_size)
     if size is None:
         raise TypeError("reshape_batch_axis needs an int microbatch_size, got None.")
+    if not is_int(axis):
+        raise TypeError(
+            f"axis must be an int, got {axis=} of type {type(axis).__name__}; pass the "
+            "position of the batch axis, e.g. axis=0."
+        )
+    axis = operator.index(axis)
 
     def reshape(leaf: Any) -> jax.Array:
         leaf = jnp.asarray(leaf)

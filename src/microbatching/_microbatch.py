@@ -1,4 +1,4 @@
-"""The loop: ``microbatch``."""
+"""The loop: ``microbatch``, and ``loop``, which ``micro_vmap`` and ``micro_grad`` build on."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import jaxpr_as_fun
 
-from . import _accumulators, _arguments, _layout, _sharding
+from . import _accumulators, _batch, _checks, _gradients, _layout, _sharding, _signature
 from ._accumulators import AccumulationType
+from ._batch import Batch
+from ._signature import BatchAxes
 from ._typing import Count, Function, InAxes, P
 
 
@@ -23,6 +24,7 @@ def microbatch(
     argnames: str | tuple[str, ...] | list[str] = (),
     in_axes: InAxes = 0,
     num_real_microbatches: Count = None,
+    accumulation_dtype: Any = None,
 ) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
@@ -34,11 +36,13 @@ def microbatch(
 
     Args:
       fun: The function to run; it must accept a microbatch wherever it accepts the batch.
-      argnums: Positions of the arguments that have a batch axis.
+      argnums: Positions of the arguments that have a batch axis. A batch argument may be
+        passed by position or by keyword.
       microbatch_size: Rows per microbatch; it must divide the batch size. None runs
         ``fun`` once on the whole batch.
       accumulator: How to combine the per-microbatch results: an ``AccumulationType``,
         an ``Accumulator``, or a pytree of them that is a prefix of ``fun``'s output.
+        optax.microbatching's members and accumulators are accepted too.
       argnames: Names of keyword arguments that have a batch axis.
       in_axes: The batch axis of each argument in ``argnums + argnames`` (one int for
         all). An entry may also be a pytree prefix of its argument, with None for
@@ -47,6 +51,9 @@ def microbatch(
         against the number of microbatches; a traced integer is clipped to it and can
         change without recompiling. CONCAT rows of skipped microbatches are zero;
         MEAN still divides by the total number of microbatches, RUNNING_MEAN by ``k``.
+      accumulation_dtype: The dtype in which the built-in reductions (SUM, MEAN,
+        RUNNING_MEAN) accumulate floating results. None, the default, accumulates
+        floats narrower than 32 bits in float32. The result keeps ``fun``'s dtype.
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.
@@ -66,46 +73,116 @@ def microbatch(
     >>> microbatched_fun(data)
     (Array([2, 3, 4, 5], dtype=int32), Array(30, dtype=int32))
     """
-    size = _arguments.ensure_microbatch_size(microbatch_size)
-    batch_arguments = _arguments.BatchArguments.create(fun, argnums, argnames, in_axes)
-    _accumulators.check_tree(accumulator)
-    count = _arguments.ensure_count(num_real_microbatches)
+    axes = _signature.microbatch_axes(fun, argnums, argnames, in_axes)
+    looped = loop(
+        fun,
+        axes,
+        _checks.ensure_microbatch_size(microbatch_size),
+        _accumulators.ensure_tree(accumulator),
+        _checks.ensure_count(num_real_microbatches),
+        _checks.ensure_accumulation_dtype(accumulation_dtype),
+    )
+    return wraps(fun, looped)
 
-    @functools.wraps(fun, updated=())
-    def microbatched(*args: P.args, **kwargs: P.kwargs) -> Any:
-        with jax.named_scope(f"microbatch({batch_arguments.fun_name})"):
-            if size is None:
+
+def wraps(fun: Callable[P, Any], wrapper: Function) -> Callable[P, Any]:
+    """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
+
+    Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
+    when one becomes a module field; our wrappers are plain functions.
+    """
+    out = functools.wraps(fun, updated=())(wrapper)
+    del out.__wrapped__
+    return out
+
+
+def loop(
+    fun: Function,
+    axes: BatchAxes,
+    size: int | None,
+    accumulator: Any,
+    count: Count,
+    accumulation_dtype: Any,
+    span: str = "microbatch",
+) -> Function:
+    """The microbatched ``fun``: locates the batch in each call and runs the loop.
+
+    ``fun`` is called with the call's arguments, each batch argument cut to one microbatch.
+    ``span`` names the outer profiler span, ``{span}({fun_name})``. The spans of
+    optax.microbatching are there too: ``microbatch_size_{m}`` around the loop and
+    ``{n}_microbatches`` in its body.
+    """
+
+    def looped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(f"{span}({axes.fun_name})"):
+            if size is None and axes.transform == "microbatch":
                 return fun(*args, **kwargs)
-            batch = batch_arguments.locate(args, kwargs)
-            with _sharding.mesh_of(batch.leaves):
-                return _loop(fun, batch, size, accumulator, count)
+            batch = _batch.locate(axes, args, kwargs, size, None if size is None else count)
+            if size is None:
+                return _layout.close(fun(*args, **kwargs))
+            with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{size}"):
+                acc = _accumulators.combine(accumulator, batch.num_microbatches, accumulation_dtype)
+                return _layout.close(_run(fun, batch, size, acc, accumulation_dtype))
 
-    return microbatched
+    return looped
 
 
-def _loop(fun: Function, batch: _arguments.Batch, size: int, accumulator: Any, count: Count) -> Any:
-    """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop."""
-    n = _arguments.num_microbatches(batch.size, size)
-    acc = _accumulators.combine(accumulator, n)
-    batched = [(i, axis) for i, axis in enumerate(batch.axes) if axis is not None]
+def _run(fun: Function, batch: Batch, size: int, acc: Any, requested: Any) -> Any:
+    """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop.
+
+    The trip count is static, so reverse-mode differentiation works: a traced
+    ``num_real_microbatches`` skips the microbatches past it with a ``lax.cond``.
+    """
+    batched = batch.batched
 
     def call(microbatch_leaves: list[Any]) -> Any:
         leaves = list(batch.leaves)
-        for (i, _), leaf in zip(batched, microbatch_leaves, strict=True):
+        for i, leaf in zip(batched, microbatch_leaves, strict=True):
             leaves[i] = leaf
         args, kwargs = batch.rebuild(leaves)
         return fun(*args, **kwargs)
 
-    views = [(_layout.split(batch.leaves[i], ax, size, batch.labels[i]), ax) for i, ax in batched]
-    structs = [_layout.microbatch_struct(batch.leaves[i], ax, size) for i, ax in batched]
+    axes = [batch.axes[i] or 0 for i in batched]  # batched leaves all have an axis
+    views = [
+        _layout.split(batch.leaves[i], ax, size, batch.labels[i])
+        for i, ax in zip(batched, axes, strict=True)
+    ]
+    structs = [
+        _layout.microbatch_struct(batch.leaves[i], ax, size)
+        for i, ax in zip(batched, axes, strict=True)
+    ]
     jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
-    run, out_tree = jaxpr_as_fun(jaxpr), jax.tree.structure(out_shape)
+    out_tree = jax.tree.structure(out_shape)
     carry = acc.init(out_shape)
-    if n == 0:
+    if batch.num_microbatches == 0:
         return acc.finalize(carry)
 
-    def body(index: Any, carry: Any) -> Any:
-        microbatch_leaves = [_layout.take(view, ax, index) for view, ax in views]
-        return acc.update(carry, out_tree.unflatten(run(*microbatch_leaves)), index)
+    def take(index: Any) -> list[Any]:
+        return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
 
-    return acc.finalize(jax.lax.fori_loop(0, _arguments.real_count(count, n), body, carry))
+    run = _gradients.step(jaxpr, take, requested)
+
+    def body(index: Any, carry: Any) -> Any:
+        with jax.named_scope(f"{batch.num_microbatches}_microbatches"):
+            return acc.update(carry, out_tree.unflatten(run(index)), index)
+
+    bound = batch.bound
+    if isinstance(bound, int):
+        loop_body, trips = body, bound
+    else:
+
+        def loop_body(index: Any, carry: Any) -> Any:
+            return jax.lax.cond(index < bound, body, lambda _, c: c, index, carry)
+
+        trips = batch.num_microbatches
+    try:
+        carry = jax.lax.fori_loop(0, trips, loop_body, carry)
+    except TypeError as err:
+        shapes = jax.tree.map(lambda x: jax.typeof(x).str_short(), (out_shape, carry))
+        raise TypeError(
+            "The accumulator could not fold a microbatch result into its carry: "
+            f"fun returns {shapes[0]} and init made the carry {shapes[1]}. A custom "
+            "Accumulator's init must return the carry that its update takes and returns. "
+            f"({err})"
+        ) from err
+    return acc.finalize(carry)

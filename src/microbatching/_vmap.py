@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from . import _accumulators, _arguments
+from . import _accumulators, _checks, _signature
 from ._accumulators import AccumulationType
-from ._microbatch import microbatch
-from ._typing import Count, InAxes, P, VmapFn
+from ._microbatch import loop, wraps
+from ._signature import BatchAxes
+from ._typing import Count, Function, InAxes, P, VmapFn
 
 
 def micro_vmap(
@@ -23,6 +24,8 @@ def micro_vmap(
     vmap_fn: VmapFn = jax.vmap,
     accumulator: Any = AccumulationType.CONCAT,
     num_real_microbatches: Count = None,
+    accumulation_dtype: Any = None,
+    batch_mesh_axes: str | tuple[str, ...] | None = None,
 ) -> Callable[P, Any]:
     """Maps ``fun`` over a batch axis, one microbatch at a time.
 
@@ -33,9 +36,11 @@ def micro_vmap(
 
     Args:
       fun: The per-example function.
-      in_axes: As in ``jax.vmap``: an int for every positional argument, or one entry
-        per positional argument (an int, None for an unmapped argument, or a pytree
-        prefix). Keyword arguments are mapped along axis 0, as in ``jax.vmap``.
+      in_axes: As in ``jax.vmap``: an int for every positional parameter, or one entry
+        per positional parameter (an int, None for an unmapped argument, or a pytree
+        prefix). An entry applies to its parameter whether the call passes it by
+        position or by keyword. Keyword arguments that name no positional parameter
+        are mapped along axis 0, as in ``jax.vmap``.
       out_axes: Must be 0.
       microbatch_size: Rows mapped at once; None maps the whole batch at once.
       vmap_fn: Called as ``vmap_fn(fun, in_axes, out_axes)`` on each microbatch, e.g.
@@ -43,6 +48,11 @@ def micro_vmap(
       accumulator: How to combine the mapped outputs over the batch: an
         ``AccumulationType``, an ``Accumulator`` or a pytree prefix of the output.
       num_real_microbatches: See ``microbatch``.
+      accumulation_dtype: See ``microbatch``.
+      batch_mesh_axes: The mesh axis name(s) the batch axis is sharded over, on an Auto
+        mesh (call inside ``jax.set_mesh``). Reductions then keep one partial result per
+        shard through the loop and all-reduce once after it, as they do on Explicit
+        meshes, where the sharding is read from the arrays' types and this is not needed.
 
     Returns:
       A function taking ``fun``'s arguments with an extra batch axis.
@@ -59,47 +69,99 @@ def micro_vmap(
     ...            accumulator=AccumulationType.SUM)(jnp.arange(6))
     Array(55, dtype=int32)
     """
-    if not (_arguments.is_int(out_axes) and out_axes == 0):
+    if not (_checks.is_int(out_axes) and out_axes == 0):
         raise NotImplementedError(
             f"micro_vmap supports only out_axes=0, got {out_axes=}; move the axis afterwards "
             "with jnp.moveaxis."
         )
-    size = _arguments.ensure_microbatch_size(microbatch_size)
-    axes_spec = _arguments.ensure_vmap_in_axes(in_axes)
-    _accumulators.check_tree(accumulator)
-    count = _arguments.ensure_count(num_real_microbatches)
-    name = _arguments.function_name(fun)
+    axes = _signature.vmap_axes(fun, in_axes)
+    looped = build(
+        fun,
+        axes,
+        _checks.ensure_microbatch_size(microbatch_size),
+        _checks.ensure_callable("vmap_fn", vmap_fn),
+        _accumulators.ensure_tree(accumulator),
+        _checks.ensure_count(num_real_microbatches),
+        _checks.ensure_accumulation_dtype(accumulation_dtype),
+        _checks.ensure_mesh_axes(batch_mesh_axes),
+    )
+    return wraps(fun, looped)
+
+
+def build(
+    fun: Function,
+    axes: BatchAxes,
+    size: int | None,
+    vmap_fn: VmapFn,
+    accumulator: Any,
+    count: Count,
+    accumulation_dtype: Any,
+    mesh_axes: tuple[str, ...] | None,
+    span: str = "micro_vmap",
+) -> Function:
+    """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch."""
+    mapped = vmapped(fun, axes, vmap_fn)
 
     def per_microbatch(*args: Any, **kwargs: Any) -> Any:
-        mapped = vmap_fn(fun, axes_spec, 0)(*args, **kwargs)
-        return _accumulators.combine(accumulator, 1).aggregate(mapped)
+        with jax.named_scope("micro_vmap_step"):
+            combined = _accumulators.combine(accumulator, 1, accumulation_dtype, mesh_axes)
+            return combined.aggregate(mapped(*args, **kwargs))
 
-    @functools.wraps(fun, updated=())
-    def mapped(*args: P.args, **kwargs: P.kwargs) -> Any:
-        with jax.named_scope(f"micro_vmap({name})"):
-            axes = (axes_spec,) * len(args) if isinstance(axes_spec, int) else axes_spec
-            if len(axes) != len(args):
-                raise ValueError(
-                    f"in_axes has {len(axes)} entries but {name} was called with {len(args)} "
-                    f"positional argument(s); give one entry per positional argument ({in_axes=})."
-                )
-            _arguments.check_mapped_keywords(kwargs, "micro_vmap", "by position with in_axes None")
-            argnums = tuple(i for i, ax in enumerate(axes) if ax is not None)
-            if not argnums and not kwargs:
-                raise ValueError(
-                    f"micro_vmap of {name} has nothing to map: {in_axes=} maps no positional "
-                    "argument and no keyword argument was passed; map at least one argument."
-                )
-            looped = microbatch(
-                per_microbatch,
-                argnums=argnums,
-                microbatch_size=size,
-                accumulator=accumulator,
-                argnames=tuple(kwargs),
-                in_axes=[axes[i] for i in argnums] + [0] * len(kwargs),
-                num_real_microbatches=count,
-            )
-            # Without microbatching the per-shard partial sums of ``aggregate`` are still open.
-            return _accumulators.settle(looped(*args, **kwargs))
+    return loop_over(per_microbatch, axes, size, accumulator, count, accumulation_dtype, span)
+
+
+def loop_over(
+    per_microbatch: Function,
+    axes: BatchAxes,
+    size: int | None,
+    accumulator: Any,
+    count: Count,
+    accumulation_dtype: Any,
+    span: str,
+) -> Function:
+    """The loop over ``per_microbatch``, called as ``fun`` would be called.
+
+    Keyword arguments that name positional parameters become positional first. Profiler
+    spans: ``{span}_size_{m}`` and ``micro_vmap_size_{m}``, as optax.microbatching writes.
+    """
+    looped = loop(per_microbatch, axes, size, accumulator, count, accumulation_dtype, span)
+    outer = f"{span}_size_{size}"
+    inner = f"micro_vmap_size_{size}"
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _signature.to_positions(axes.signature, args, kwargs)
+        with (
+            jax.named_scope(outer),
+            contextlib.nullcontext() if outer == inner else jax.named_scope(inner),
+        ):
+            return looped(*args, **kwargs)
+
+    return called
+
+
+def vmapped(fun: Function, axes: BatchAxes, vmap_fn: VmapFn) -> Function:
+    """``vmap_fn(fun)`` with each argument mapped on the axis ``axes`` gives its parameter."""
+
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        return vmap_fn(*_positional(fun, axes, args, kwargs))(*args, *kwargs.values())
 
     return mapped
+
+
+def _positional(
+    fun: Function, axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Function, Any, int]:
+    """``vmap_fn``'s arguments for a call: keyword arguments become positional, so that
+    each gets the axis its parameter has (``jax.vmap`` maps keywords along 0 only)."""
+    if not kwargs and _checks.is_int(axes.rest):
+        return fun, axes.rest, 0
+    specs = tuple(axes.spec(where) for where in [*range(len(args)), *kwargs])
+    if not kwargs:
+        return fun, specs, 0
+    names = tuple(kwargs)
+
+    def by_position(*values: Any) -> Any:
+        split = len(values) - len(names)
+        return fun(*values[:split], **dict(zip(names, values[split:], strict=True)))
+
+    return by_position, specs, 0

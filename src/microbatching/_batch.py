@@ -1,0 +1,221 @@
+"""Where the batch is in one call: the batched leaves, their axes, sizes and the loop bound.
+
+``locate`` runs at each call (once per trace under ``jit``) with the ``BatchAxes`` fixed
+when the user wrapped ``fun``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _signature
+from ._signature import TOO_MANY, BatchAxes
+from ._typing import AxisSpec, Count
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A call's arguments, flattened, with the batch axis of each leaf (None: not batched).
+
+    Attributes:
+      num_microbatches: ``size // microbatch_size``.
+      bound: How many microbatches run: ``num_microbatches``, or ``num_real_microbatches``
+        (an int, or a traced int32 clipped to ``[0, num_microbatches]``).
+    """
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+    axes: tuple[int | None, ...]
+    labels: tuple[str, ...]
+    size: int
+    num_microbatches: int
+    bound: int | jax.Array
+
+    def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return tuple(args), kwargs
+
+    @property
+    def batched(self) -> list[int]:
+        """Indices of the batched leaves."""
+        return [i for i, axis in enumerate(self.axes) if axis is not None]
+
+
+def locate(
+    binding: BatchAxes,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    microbatch_size: int | None,
+    count: Count,
+) -> Batch:
+    """Flattens a call and finds each batched leaf, checking shapes and batch sizes."""
+    _check_call(binding, args, kwargs)
+    axes: list[int | None] = []
+    labels: list[str] = []
+    leaves: list[Any] = []
+    for where, arg in [*enumerate(args), *sorted(kwargs.items())]:
+        label = binding.label(where)
+        arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        leaves += [leaf for _, leaf in arg_leaves]
+        labels += [label + jax.tree_util.keystr(path) for path, _ in arg_leaves]
+        axes += _axes_per_leaf(binding.spec(where), arg, label)
+    axes = [
+        _normalise_axis(ax, leaf, lab) for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
+    ]
+    size = _batch_size(binding, axes, leaves, labels)
+    n = size if microbatch_size is None else _num_microbatches(size, microbatch_size)
+    treedef = jax.tree.structure((args, kwargs))
+    return Batch(treedef, tuple(leaves), tuple(axes), tuple(labels), size, n, _bound(count, n))
+
+
+def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if binding.rest is TOO_MANY and len(args) > len(binding.positions):
+        raise ValueError(
+            f"in_axes has {len(binding.positions)} entries but {binding.fun_name} was called with "
+            f"{len(args)} positional argument(s); give one entry per positional argument "
+            f"({binding.set_by})."
+        )
+    given = {*range(len(args)), *kwargs}
+    given |= {_signature.position(binding.signature, k) for k in kwargs}
+    if binding.signature is not None:
+        given |= set(binding.signature.positional[: len(args)])
+    for where in binding.required:
+        if where not in given:
+            raise TypeError(_missing(binding, where, args, kwargs))
+    for name, value in kwargs.items():
+        if name not in binding.names and _signature.position(binding.signature, name) is None:
+            _check_mapped_keyword(binding, name, value)
+
+
+def _missing(
+    binding: BatchAxes, where: int | str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    if isinstance(where, str):
+        return (
+            f"argnames includes {where!r}, but {binding.fun_name} was called without it "
+            f"(keyword arguments given: {sorted(kwargs)}); pass the batch argument."
+        )
+    name = binding.label(where)
+    by_name = "" if name.startswith("args[") else f" and no keyword argument `{name}`"
+    return (
+        f"{binding.required_by} includes {where}, but {binding.fun_name} was called with "
+        f"{len(args)} positional argument(s){by_name}; pass the batch argument."
+    )
+
+
+def _batch_size(
+    binding: BatchAxes, axes: list[int | None], leaves: list[Any], labels: list[str]
+) -> int:
+    found = [
+        (lab, ax, leaf.shape)
+        for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
+        if ax is not None
+    ]
+    if not found:
+        raise ValueError(
+            f"{binding.transform} of {binding.fun_name} has nothing to map: no argument of this "
+            f"call has a batch axis under {binding.set_by}; pass a batch argument, or give "
+            "one an axis."
+        )
+    sizes = {shape[ax] for _, ax, shape in found}
+    if len(sizes) > 1:
+        listing = "; ".join(f"`{lab}` axis {ax} of shape {shape}" for lab, ax, shape in found)
+        raise ValueError(
+            f"Batch arguments of {binding.fun_name} must have equal batch sizes, got "
+            f"{sorted(sizes)}: {listing}. Fix the shapes, or the batch axes ({binding.set_by})."
+        )
+    return sizes.pop()
+
+
+def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
+    """A keyword argument mapped by the jax.vmap rule must be arrays with a batch axis."""
+    if axes.other_keywords is None:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray) or not np.ndim(leaf):
+            unmapped = (
+                "by position with in_axes None"
+                if axes.transform == "micro_vmap"
+                else "by position, outside batch_argnums"
+            )
+            raise TypeError(
+                f"{axes.transform} maps keyword arguments that name no positional parameter "
+                f"along axis 0, as jax.vmap does, but `{name}{jax.tree_util.keystr(path)}` is "
+                f"{leaf!r}, not an array with a batch axis; pass it {unmapped}, or bind it "
+                "with functools.partial."
+            )
+
+
+def _num_microbatches(batch_size: int, microbatch_size: int) -> int:
+    """The number of microbatches, or a ValueError naming both sizes."""
+    if batch_size % microbatch_size:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        nearest = sorted(sorted(divisors, key=lambda d: abs(d - microbatch_size))[:4])
+        raise ValueError(
+            f"The batch size {batch_size} is not divisible by {microbatch_size=}; "
+            f"choose a microbatch_size that divides it, such as one of {nearest}. "
+            "(Padding the batch is only right if fun gives the padded rows zero weight: "
+            "microbatch i holds rows i, i + n, i + 2n, ..., so padding is spread over "
+            "every microbatch.)"
+        )
+    return batch_size // microbatch_size
+
+
+def _bound(count: Count, total: int) -> int | jax.Array:
+    """How many microbatches to run: ``count`` bounded by ``total``."""
+    if count is None:
+        return total
+    if isinstance(count, int):
+        if count > total:
+            raise ValueError(
+                f"num_real_microbatches={count} exceeds the number of microbatches, {total}; "
+                f"pass at most {total}."
+            )
+        return count
+    return jax.numpy.clip(count, 0, total).astype(np.int32)
+
+
+def _axes_per_leaf(spec: AxisSpec, arg: Any, label: str) -> list[int | None]:
+    """Broadcasts one argument's axis spec (a pytree prefix) to its leaves."""
+    out: list[int | None] = []
+    try:
+        jax.tree.map(
+            lambda ax, sub: out.extend([ax] * len(jax.tree.leaves(sub))),
+            spec,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"The in_axes entry {spec!r} for argument `{label}` is not a pytree prefix of it "
+            f"(structure {jax.tree.structure(arg)}); give an int or a prefix of its structure."
+        ) from err
+    return out
+
+
+def _normalise_axis(axis: int | None, leaf: Any, label: str) -> int | None:
+    if axis is None:
+        return None
+    if not isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"Batch argument `{label}` is a {type(leaf).__name__}, not an array, so it has no "
+            "batch axis; convert it with jnp.asarray, or leave it out of the batch arguments."
+        )
+    ndim = len(leaf.shape)
+    if ndim == 0:
+        raise ValueError(
+            f"Batch argument `{label}` is a scalar (shape ()), so it has no batch axis; give it "
+            "a batch axis, or leave it out of the batch arguments."
+        )
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"in_axes gives axis {axis} for batch argument `{label}` of shape {leaf.shape} "
+            f"(rank {ndim}); use an axis in [{-ndim}, {ndim})."
+        )
+    return operator.index(axis) % ndim

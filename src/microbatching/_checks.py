@@ -1,0 +1,184 @@
+"""Wrap-time normalisers: each checks one argument of a transform and returns it normalised.
+
+They run once, when the user wraps a function, and raise a TypeError or ValueError that
+names the argument, shows the value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._typing import AxisSpec, Count, Function
+
+
+def function_name(fun: Function) -> str:
+    """A readable name for ``fun`` in error messages and profiler spans."""
+    inner = getattr(fun, "func", fun)  # functools.partial
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
+def is_int(value: Any) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def ensure_callable(name: str, value: Any) -> Function:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {name}={value!r}; pass a function.")
+    return value
+
+
+def ensure_bool(name: str, value: Any) -> bool:
+    """Refuses truthy strings and other stand-ins: ``keep_batch_dim="no"`` is an error."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"{name} must be a bool, got {name}={value!r} of type {type(value).__name__}; "
+            "pass True or False."
+        )
+    return bool(value)
+
+
+def ensure_microbatch_size(microbatch_size: Any) -> int | None:
+    """A positive int, or None for no microbatching."""
+    if microbatch_size is None:
+        return None
+    if not is_int(microbatch_size):
+        raise TypeError(
+            f"microbatch_size must be a positive int or None, got {microbatch_size!r} "
+            f"of type {type(microbatch_size).__name__}; pass an int such as 8."
+        )
+    size = operator.index(microbatch_size)
+    if size <= 0:
+        raise ValueError(
+            f"microbatch_size must be a positive int, got {microbatch_size=}; "
+            "pass at least 1, or None to run the whole batch at once."
+        )
+    return size
+
+
+def ensure_index_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """An int or a sequence of distinct ints (``argnums``, ``batch_argnums``)."""
+    values = (value,) if is_int(value) else value
+    if not isinstance(values, Sequence) or not all(is_int(v) for v in values):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {name}={value!r}.")
+    indices = tuple(operator.index(v) for v in values)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{name} must not repeat an index, got {name}={value!r}.")
+    return indices
+
+
+def ensure_name_tuple(argnames: Any) -> tuple[str, ...]:
+    """A str or a sequence of distinct str (``argnames``)."""
+    names = (argnames,) if isinstance(argnames, str) else argnames
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"argnames must be a str or a sequence of str, got {argnames=}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"argnames must not repeat a name, got {argnames=}.")
+    return tuple(names)
+
+
+def ensure_count(num_real_microbatches: Any) -> Count:
+    """None, a non-negative integer, or a traced integer scalar.
+
+    A concrete integer (Python, NumPy or a concrete JAX scalar) becomes a Python int, so
+    the loop keeps a static trip count; only a traced value stays an array.
+    """
+    if num_real_microbatches is None:
+        return None
+    shape = getattr(num_real_microbatches, "shape", ())
+    dtype = getattr(num_real_microbatches, "dtype", None)
+    integer = is_int(num_real_microbatches) or (
+        dtype is not None and np.issubdtype(dtype, np.integer)
+    )
+    if shape != () or not integer:
+        raise TypeError(
+            "num_real_microbatches must be None, an int or an integer scalar array, got "
+            f"{num_real_microbatches!r}; pass e.g. 3 or jnp.int32(3)."
+        )
+    try:
+        count = operator.index(num_real_microbatches)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return jax.numpy.asarray(num_real_microbatches)
+    if count < 0:
+        raise ValueError(
+            f"num_real_microbatches must be non-negative, got {num_real_microbatches=}."
+        )
+    return count
+
+
+def ensure_axis_spec(spec: Any, where: str) -> AxisSpec:
+    """An int, None or a pytree of them: the batch axis of one argument."""
+    leaves = jax.tree.leaves(spec, is_leaf=lambda x: x is None)
+    if not all(leaf is None or is_int(leaf) for leaf in leaves):
+        raise TypeError(
+            f"{where} must be an int, None or a pytree of them, got {spec!r}; "
+            "give the batch axis of each batch argument."
+        )
+    return spec
+
+
+def ensure_axes_sequence(in_axes: Any, per: str) -> tuple[AxisSpec, ...]:
+    """A list or tuple of axis specs, one per ``per``."""
+    if not isinstance(in_axes, list | tuple):
+        raise TypeError(
+            f"in_axes must be an int or a sequence with one entry per {per}, got {in_axes=}."
+        )
+    return tuple(ensure_axis_spec(spec, f"in_axes[{i}]") for i, spec in enumerate(in_axes))
+
+
+def ensure_accumulation_dtype(dtype: Any) -> np.dtype | None:
+    """None (the default policy) or a floating dtype."""
+    if dtype is None:
+        return None
+    try:
+        result = np.dtype(dtype)
+    except TypeError as err:
+        raise TypeError(
+            f"accumulation_dtype must be None or a floating dtype, got {dtype!r}; "
+            "pass e.g. jnp.float32."
+        ) from err
+    if not jax.numpy.issubdtype(result, jax.numpy.floating):
+        raise ValueError(
+            f"accumulation_dtype must be a floating dtype, got accumulation_dtype={dtype!r}; "
+            "pass e.g. jnp.float32, or None for float32 accumulation of narrower floats."
+        )
+    return result
+
+
+def ensure_mesh_axes(batch_mesh_axes: Any) -> tuple[str, ...] | None:
+    """None, a mesh axis name, or a sequence of names."""
+    if batch_mesh_axes is None:
+        return None
+    names = (batch_mesh_axes,) if isinstance(batch_mesh_axes, str) else batch_mesh_axes
+    if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"batch_mesh_axes must be a mesh axis name or a sequence of them, got "
+            f"{batch_mesh_axes=}; pass e.g. 'data' or ('data', 'fsdp')."
+        )
+    return tuple(names)
+
+
+def ensure_clip_norm(l2_clip_norm: Any) -> float | None:
+    """None, or a positive finite number."""
+    if l2_clip_norm is None:
+        return None
+    if isinstance(l2_clip_norm, bool) or not isinstance(l2_clip_norm, int | float | np.number):
+        raise TypeError(
+            f"l2_clip_norm must be a positive number or None, got {l2_clip_norm=}; pass e.g. 1.0."
+        )
+    if not 0 < float(l2_clip_norm) < float("inf"):
+        raise ValueError(
+            f"l2_clip_norm must be positive and finite, got {l2_clip_norm=}; pass e.g. 1.0, "
+            "or None for no clipping."
+        )
+    return float(l2_clip_norm)

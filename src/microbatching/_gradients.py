@@ -1,0 +1,53 @@
+"""How gradients flow through the loop.
+
+Reverse-mode differentiation of a loop keeps what every iteration's backward pass needs.
+For ``fun`` on a microbatch that is its activations, so ``jax.grad`` of a microbatched
+function would hold the activations of the whole batch. Here the step that runs ``fun``
+is rematerialised (``jax.checkpoint``): the backward pass recomputes one microbatch's
+forward pass at a time, and only the loop index is kept per iteration.
+
+The transposed loop sums the cotangents of ``fun``'s closed-over values (the parameters)
+over microbatches, in their dtype. To keep that sum exact for bfloat16 or float16
+parameters, the loop closes over copies in the accumulation dtype and casts them back
+inside each step, so the sum runs in the wider dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from ._accumulators import accumulation_dtype
+
+
+def step(
+    jaxpr: ClosedJaxpr, take: Callable[[Any], Sequence[Any]], requested: Any
+) -> Callable[[Any], list[Any]]:
+    """``fun`` on microbatch ``index`` (read by ``take(index)``), rematerialised.
+
+    ``requested`` is the ``accumulation_dtype``, applied to floating closed-over values.
+    """
+    consts = list(jaxpr.consts)
+    widened = [_widen(c, requested) for c in consts]
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def run(index: Any, widened: list[Any]) -> list[Any]:
+        narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
+
+    return lambda index: run(index, widened)
+
+
+def _widen(value: Any, requested: Any) -> Any:
+    """``value`` in the accumulation dtype, if that is a wider float; else unchanged."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return value
+    wide = accumulation_dtype(dtype, requested)
+    if jax.numpy.finfo(wide).bits <= jax.numpy.finfo(dtype).bits:
+        return value
+    return jax.numpy.asarray(value, wide)

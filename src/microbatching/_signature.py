@@ -1,0 +1,285 @@
+"""Binding a call to ``fun``'s signature: which parameter each argument is.
+
+``inspect.signature`` is read once, when the user wraps ``fun``. At each call a keyword
+argument that names a positional parameter is treated as that parameter, so
+``f(x, y=y)`` and ``f(x, y)`` are the same call to every transform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from . import _checks
+from ._typing import AxisSpec, Function
+
+TOO_MANY = object()
+"""``BatchAxes.rest`` when a call may not pass more positional arguments than there are specs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What ``inspect.signature`` tells about how ``fun`` takes its arguments."""
+
+    positional: tuple[str, ...]
+    positional_only: frozenset[str]
+    keyword: frozenset[str]
+    var_positional: bool
+    var_keyword: bool
+
+    @classmethod
+    def of(cls, fun: Function) -> Signature | None:
+        """The signature of ``fun``, or None when Python cannot tell it."""
+        try:
+            params = inspect.signature(fun).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        kind = inspect.Parameter
+        return cls(
+            positional=tuple(
+                p.name
+                for p in params
+                if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+            ),
+            positional_only=frozenset(p.name for p in params if p.kind == kind.POSITIONAL_ONLY),
+            keyword=frozenset(
+                p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+            ),
+            var_positional=any(p.kind == kind.VAR_POSITIONAL for p in params),
+            var_keyword=any(p.kind == kind.VAR_KEYWORD for p in params),
+        )
+
+    def describe(self) -> str:
+        """``(x, y, *, z)``-like text for error messages."""
+        names = list(self.positional) + sorted(self.keyword - set(self.positional))
+        return "(" + ", ".join(names) + ")"
+
+    def position(self, name: str) -> int | None:
+        """The position of the parameter a keyword argument ``name`` binds to, if any."""
+        if name in self.positional and name not in self.positional_only:
+            return self.positional.index(name)
+        return None
+
+    def label(self, where: int | str) -> str:
+        """The name of the parameter at ``where`` (a position or a keyword)."""
+        if isinstance(where, int) and where < len(self.positional):
+            return self.positional[where]
+        return where if isinstance(where, str) else f"args[{where}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchAxes:
+    """Which arguments of ``fun`` carry a batch axis, and on which axis.
+
+    Attributes:
+      transform: ``"microbatch"``, ``"micro_vmap"`` or ``"micro_grad"``, for messages.
+      fun_name: The user's function, for messages.
+      signature: Its signature, or None where Python cannot tell it.
+      positions: The axis spec of each batched positional parameter.
+      names: The axis spec of each batched keyword-only (or extra) parameter.
+      rest: The spec of positional parameters not in ``positions`` (``TOO_MANY``: an error).
+      other_keywords: The spec of keyword arguments that name no parameter of ``positions``
+        or ``names`` (``micro_vmap`` and ``micro_grad`` map them along 0, like ``jax.vmap``).
+      required: Batch arguments every call must pass.
+      required_by: The wrap-time argument that requires them (``argnums``...).
+      set_by: The wrap-time arguments that chose these axes, for messages.
+    """
+
+    transform: str
+    fun_name: str
+    signature: Signature | None
+    positions: Mapping[int, AxisSpec]
+    names: Mapping[str, AxisSpec]
+    rest: Any
+    other_keywords: AxisSpec
+    required: tuple[int | str, ...]
+    required_by: str
+    set_by: str
+
+    def spec(self, where: int | str) -> AxisSpec:
+        """The axis spec of the argument passed at position or keyword ``where``."""
+        if isinstance(where, str) and where in self.names:
+            return self.names[where]
+        at = position(self.signature, where)
+        if at is None:
+            return self.other_keywords
+        return self.positions.get(at, self.rest)
+
+    def label(self, where: int | str) -> str:
+        return label(self.signature, where)
+
+
+def position(signature: Signature | None, where: int | str) -> int | None:
+    """The parameter position of an argument given by position or keyword, if it has one."""
+    if isinstance(where, int):
+        return where
+    return None if signature is None else signature.position(where)
+
+
+def label(signature: Signature | None, where: int | str) -> str:
+    """The user's name for an argument: its parameter name where the signature has one."""
+    if signature is not None:
+        return signature.label(where)
+    return where if isinstance(where, str) else f"args[{where}]"
+
+
+def to_positions(
+    signature: Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Moves keyword arguments that continue the positional ones into positions.
+
+    ``f(p, x=x)`` becomes ``f(p, x)`` and ``f(params=p, x=x)`` becomes ``f(p, x)``, so
+    that ``jax.grad``'s ``argnums`` finds them. Anything else is left as it was called.
+    """
+    if signature is None or not kwargs:
+        return args, kwargs
+    positional, keywords = list(args), dict(kwargs)
+    while len(positional) < len(signature.positional):
+        name = signature.positional[len(positional)]
+        if name in signature.positional_only or name not in keywords:
+            break
+        positional.append(keywords.pop(name))
+    return tuple(positional), keywords
+
+
+def microbatch_axes(fun: Function, argnums: Any, argnames: Any, in_axes: Any) -> BatchAxes:
+    """``microbatch``'s batch arguments: ``argnums`` and ``argnames``, axes from ``in_axes``."""
+    _checks.ensure_callable("fun", fun)
+    name, sig = _checks.function_name(fun), Signature.of(fun)
+    nums = _argnums(_checks.ensure_index_tuple("argnums", argnums), sig, name, "argnums")
+    names = _checks.ensure_name_tuple(argnames)
+    if not nums and not names:
+        raise ValueError("argnums and argnames are both empty; name at least one argument.")
+    _check_argnames(names, sig, name)
+    for i in nums:
+        if sig is not None and i < len(sig.positional) and sig.positional[i] in names:
+            raise ValueError(
+                f"Argument `{sig.positional[i]}` of {name} is named twice, by argnums ({i}) "
+                "and by argnames; name it once."
+            )
+    axes = _in_axes_tuple(in_axes, len(nums) + len(names), f"{argnums=} and {argnames=}")
+    positions = dict(zip(nums, axes, strict=False))
+    keywords = {}
+    for n, axis in zip(names, axes[len(nums) :], strict=True):
+        where = None if sig is None else sig.position(n)
+        if where is None:
+            keywords[n] = axis
+        else:
+            positions[where] = axis
+    return BatchAxes(
+        "microbatch",
+        name,
+        sig,
+        positions,
+        keywords,
+        None,
+        None,
+        (*nums, *names),
+        "argnums",
+        "argnums, argnames and in_axes",
+    )
+
+
+def vmap_axes(fun: Function, in_axes: Any) -> BatchAxes:
+    """``micro_vmap``'s: ``in_axes`` per positional parameter, the jax.vmap rule for the rest."""
+    _checks.ensure_callable("fun", fun)
+    name, sig = _checks.function_name(fun), Signature.of(fun)
+    if _checks.is_int(in_axes):
+        positions, rest = {}, int(in_axes)
+    else:
+        positions = dict(enumerate(_checks.ensure_axes_sequence(in_axes, "positional argument")))
+        rest = TOO_MANY
+        if sig is not None and not sig.var_positional and len(positions) > len(sig.positional):
+            raise ValueError(
+                f"in_axes has {len(positions)} entries but {name}{sig.describe()} takes "
+                f"{len(sig.positional)} positional parameter(s); give one entry per "
+                f"positional parameter ({in_axes=})."
+            )
+    return BatchAxes(
+        "micro_vmap", name, sig, positions, {}, rest, 0, (), "in_axes", f"in_axes={in_axes!r}"
+    )
+
+
+def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
+    """``micro_grad``'s: axis 0 of ``batch_argnums``, the jax.vmap rule for extra keywords."""
+    _checks.ensure_callable("fun", fun)
+    name, sig = _checks.function_name(fun), Signature.of(fun)
+    nums = _checks.ensure_index_tuple("batch_argnums", batch_argnums)
+    if not nums:
+        raise ValueError("batch_argnums is empty; name at least one argument with a batch axis 0.")
+    nums = _argnums(nums, sig, name, "batch_argnums")
+    return BatchAxes(
+        "micro_grad",
+        name,
+        sig,
+        dict.fromkeys(nums, 0),
+        {},
+        None,
+        0,
+        nums,
+        "batch_argnums",
+        f"batch_argnums={batch_argnums!r}",
+    )
+
+
+def differentiated(fun: Function, argnums: Any) -> tuple[int, ...]:
+    """``micro_grad``'s ``argnums``: checked against ``fun``'s positional parameters."""
+    nums = _checks.ensure_index_tuple("argnums", argnums)
+    if not nums:
+        raise ValueError(
+            "argnums is empty, so there is nothing to differentiate; pass the position of "
+            "the parameters, e.g. argnums=0."
+        )
+    sig = Signature.of(fun)
+    return _argnums(nums, sig, _checks.function_name(fun), "argnums")
+
+
+def _argnums(nums: tuple[int, ...], sig: Signature | None, name: str, what: str) -> tuple[int, ...]:
+    """Checks positions against the signature and makes negative ones non-negative."""
+    fixed = sig is not None and not sig.var_positional
+    count = len(sig.positional) if sig is not None else 0
+    out = []
+    for i in nums:
+        if i < 0 and not fixed:
+            raise ValueError(
+                f"{what} contains {i}, but negative indices need a function with a fixed number "
+                f"of positional parameters, and {name} takes *args; use a non-negative index."
+            )
+        j = i + count if i < 0 else i
+        if sig is not None and fixed and not 0 <= j < count:
+            fix = (
+                f"use an index in [{-count}, {count})"
+                if count
+                else "name keyword parameters with argnames instead"
+            )
+            raise ValueError(
+                f"{what} contains {i}, out of range for {name}{sig.describe()} "
+                f"with {count} positional parameter(s); {fix}."
+            )
+        out.append(j)
+    return tuple(out)
+
+
+def _check_argnames(names: tuple[str, ...], sig: Signature | None, fun_name: str) -> None:
+    if sig is None or sig.var_keyword:
+        return
+    for n in names:
+        if n not in sig.keyword:
+            raise ValueError(
+                f"argnames contains {n!r}, which is not a keyword parameter of "
+                f"{fun_name}{sig.describe()}; use one of {sorted(sig.keyword)}."
+            )
+
+
+def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:
+    if _checks.is_int(in_axes) or in_axes is None:
+        return (_checks.ensure_axis_spec(in_axes, "in_axes"),) * count
+    axes = _checks.ensure_axes_sequence(in_axes, "batch argument")
+    if len(axes) != count:
+        raise ValueError(
+            f"in_axes has {len(axes)} entries but {names} name {count} batch argument(s); "
+            f"give one axis per batch argument, in the order argnums then argnames ({in_axes=})."
+        )
+    return axes

@@ -1,0 +1,403 @@
+"""Gradient accumulation at the cost of one microbatch.
+
+Differentiating through ``microbatch`` and ``micro_vmap`` (every JAX transformation, one
+microbatch of memory), the ``micro_grad`` fast path and ``l2_clip_norm``, accumulation
+precision, and one all-reduce per step on Auto meshes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from microbatching import (
+    AccumulationType,
+    Accumulator,
+    _examples,
+    micro_grad,
+    micro_vmap,
+    microbatch,
+)
+
+from .strategies import assert_close, clipper, microbatch_sizes, random_array
+from .test_sharding import all_reduces_in_loops, collectives
+
+SUM, MEAN, CONCAT = AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.CONCAT
+RUNNING_MEAN = AccumulationType.RUNNING_MEAN
+REDUCING = [SUM, MEAN, RUNNING_MEAN]
+W = random_array(0, (4, 5), jnp.float32) / 2
+X = random_array(1, (12, 4), jnp.float32)
+
+
+def rows(w, x):
+    return jnp.tanh(x @ w)
+
+
+def reduced(kind):
+    """``fun`` for ``microbatch``: the per-microbatch result ``kind`` combines into the
+    full-batch result (means of rows for the means, sums for SUM, rows for CONCAT)."""
+    if kind is CONCAT:
+        return rows
+    if kind is SUM:
+        return lambda w, x: jnp.sum(rows(w, x), axis=0)
+    return lambda w, x: jnp.mean(rows(w, x), axis=0)
+
+
+def whole(kind):
+    """The un-microbatched reference for ``reduced(kind)`` over the whole batch."""
+    return reduced(kind)
+
+
+def scalar(out):
+    weights = jnp.arange(1.0, 1.0 + out.size).reshape(out.shape)
+    return jnp.sum(jnp.sin(out) * weights)
+
+
+@given(data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_grad_through_microbatch_equals_the_whole_batch(data):
+    kind = data.draw(st.sampled_from(list(AccumulationType)))
+    size = data.draw(microbatch_sizes(X.shape[0]))
+    fun = microbatch(reduced(kind), 1, size, kind)
+    n = X.shape[0] // size
+    for argnums in [0, 1, (0, 1)]:
+        got = jax.grad(lambda w, x: scalar(fun(w, x)), argnums)(W, X)
+        want = jax.grad(lambda w, x: scalar(whole(kind)(w, x)), argnums)(W, X)
+        assert_close(got, want, terms=n)
+
+
+@pytest.mark.parametrize("kind", list(AccumulationType))
+@pytest.mark.parametrize("size", [1, 3, 12])
+def test_vjp_and_value_and_grad_through_micro_vmap(kind, size):
+    fun = micro_vmap(rows, (None, 0), microbatch_size=size, accumulator=kind)
+    reference = {SUM: jnp.sum, MEAN: jnp.mean, RUNNING_MEAN: jnp.mean, CONCAT: lambda r, axis: r}
+    want_fn = lambda w, x: reference[kind](jax.vmap(rows, (None, 0))(w, x), axis=0)  # noqa: E731
+    out, vjp = jax.vjp(fun, W, X)
+    want_out, want_vjp = jax.vjp(want_fn, W, X)
+    assert_close(out, want_out, terms=12)
+    cotangent = random_array(5, out.shape, jnp.float32)
+    assert_close(vjp(cotangent), want_vjp(cotangent), terms=12)
+    value, grads = jax.value_and_grad(lambda w, x: scalar(fun(w, x)), (0, 1))(W, X)
+    want_value, want_grads = jax.value_and_grad(lambda w, x: scalar(want_fn(w, x)), (0, 1))(W, X)
+    assert_close(value, want_value, terms=12)
+    assert_close(grads, want_grads, terms=12)
+
+
+def test_forward_mode_hessian_vector_products_vmap_and_jit_still_work():
+    fun = microbatch(reduced(SUM), 1, 4, SUM)
+    loss = lambda w: scalar(fun(w, X))  # noqa: E731
+    want_loss = lambda w: scalar(reduced(SUM)(w, X))  # noqa: E731
+    tangent = random_array(7, W.shape, jnp.float32)
+    assert_close(jax.jvp(loss, (W,), (tangent,)), jax.jvp(want_loss, (W,), (tangent,)), terms=3)
+    hvp = lambda f: jax.jvp(jax.grad(f), (W,), (tangent,))[1]  # noqa: E731
+    assert_close(jax.jit(lambda: hvp(loss))(), hvp(want_loss), terms=3, factor=4)
+    ws = jnp.stack([W, 2 * W])
+    assert_close(jax.vmap(jax.grad(loss))(ws), jax.vmap(jax.grad(want_loss))(ws), terms=3)
+
+
+def _kept_reference(kind, count):
+    """The loss of ``test_grad_with_a_traced_num_real_microbatches`` with only the rows of
+    microbatches ``0 .. count-1`` kept (microbatch i holds rows i, i + 4, i + 8)."""
+    kept = (jnp.arange(12) % 4 < count)[:, None]
+
+    def loss(w):
+        out = jnp.where(kept, rows(w, X), 0.0)
+        if kind is CONCAT:
+            return scalar(out)
+        total = jnp.sum(out, 0)
+        if kind is SUM:
+            return scalar(total)
+        return scalar(total / 3 / (4 if kind is MEAN else max(count, 1)))
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", list(AccumulationType))
+def test_grad_with_a_traced_num_real_microbatches(kind):
+    def loss(w, count):
+        fun = microbatch(reduced(kind), 1, 3, kind, num_real_microbatches=count)
+        return scalar(fun(w, X))
+
+    grad = jax.jit(jax.grad(loss))
+    for count in [0, 2, 4]:
+        want = jax.grad(_kept_reference(kind, count))(W)
+        assert_close(grad(W, jnp.int32(count)), want, terms=4)
+
+
+def _mlp_loss(params, x, y):
+    h = jax.nn.relu(x @ params[0])
+    return jnp.mean((h @ params[1] - y) ** 2)
+
+
+def _temp(fun, *args) -> int:
+    analysis = jax.jit(fun).lower(*args).compile().memory_analysis()
+    assert analysis is not None
+    return analysis.temp_size_in_bytes
+
+
+def test_grad_through_microbatch_costs_one_microbatch_of_memory():
+    params = [random_array(0, (64, 128), jnp.float32), random_array(1, (128, 16), jnp.float32)]
+    temps = {}
+    for batch in [1024, 16384]:
+        x, y = jnp.ones((batch, 64)), jnp.ones((batch, 16))
+        through = jax.grad(microbatch(_mlp_loss, (1, 2), 128, MEAN))
+        inside = microbatch(jax.grad(_mlp_loss), (1, 2), 128, MEAN)
+        temps[batch] = (_temp(through, params, x, y), _temp(inside, params, x, y))
+        vmap_grad = jax.grad(
+            lambda p, x: jnp.sum(
+                micro_vmap(lambda r: jnp.tanh(r @ p[0]), microbatch_size=128, accumulator=SUM)(x)
+            )
+        )
+        temps[batch] += (_temp(vmap_grad, params, x),)
+    assert temps[16384][0] <= 1.2 * temps[1024][0]
+    assert temps[16384][0] <= 1.5 * temps[16384][1]
+    assert temps[16384][2] <= 1.2 * temps[1024][2]
+
+
+# --- micro_grad: the fast path and l2_clip_norm -----------------------------------------
+
+
+def _per_example(loss, params, *batch):
+    return jax.vmap(jax.grad(loss), (None, *[0] * len(batch)))(params, *[b[:, None] for b in batch])
+
+
+def _models():
+    """Losses with dense, convolution, embedding and layer-norm layers, and their data."""
+    rng = np.random.default_rng(0)
+
+    def dense(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"] + p["b"][None]) @ p["v"] - y) ** 2)
+
+    def conv(p, x, y):
+        out = jax.lax.conv_general_dilated(
+            x, p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        return jnp.mean((jnp.mean(jax.nn.relu(out), axis=1) @ p["v"] - y) ** 2)
+
+    def embedding(p, tokens, y):
+        h = jnp.mean(p["table"][tokens], axis=1)
+        mean, var = jnp.mean(h, -1, keepdims=True), jnp.var(h, -1, keepdims=True)
+        normed = (h - mean) / jnp.sqrt(var + 1e-5) * p["scale"][None] + p["shift"][None]
+        return jnp.mean((normed @ p["v"] - y) ** 2)
+
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    y = f(16, 3)
+    return {
+        "dense": (dense, {"w": f(5, 8), "b": f(8), "v": f(8, 3)}, f(16, 5), y),
+        "conv": (conv, {"k": f(3, 2, 4), "v": f(4, 3)}, f(16, 7, 2), y),
+        "embedding+layernorm": (
+            embedding,
+            {"table": f(11, 6), "scale": f(6), "shift": f(6), "v": f(6, 3)},
+            jnp.asarray(rng.integers(0, 11, (16, 4)), jnp.int32),
+            y,
+        ),
+    }
+
+
+MODELS = _models()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("size", [None, 1, 4, 16])
+@pytest.mark.parametrize("kind", REDUCING)
+def test_fast_path_equals_the_sum_of_per_example_gradients(model, size, kind):
+    loss, params, x, y = MODELS[model]
+    grads, aux = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=size, accumulator=kind)(
+        params, x, y
+    )
+    per_example = _per_example(loss, params, x, y)
+    reduce = jnp.sum if kind is SUM else jnp.mean
+    assert_close(grads, jax.tree.map(lambda g: reduce(g, 0), per_example), terms=16)
+    assert_close(aux.values, jax.vmap(loss, (None, 0, 0))(params, x[:, None], y[:, None]))
+    assert aux.metrics is None
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("size", [None, 2, 16])
+@pytest.mark.parametrize("kind", [SUM, MEAN])
+def test_l2_clip_norm_equals_clipping_in_transform_fn(model, size, kind):
+    loss, params, x, y = MODELS[model]
+    norm = lambda g: jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))  # noqa: E731
+    bound = float(np.median(jax.vmap(norm)(_per_example(loss, params, x, y))))
+    common = {"batch_argnums": (1, 2), "microbatch_size": size, "accumulator": kind}
+    fast, fast_aux = micro_grad(loss, l2_clip_norm=bound, metrics_fn=norm, **common)(params, x, y)
+    slow, slow_aux = micro_grad(loss, transform_fn=clipper(bound), metrics_fn=norm, **common)(
+        params, x, y
+    )
+    assert_close(fast, slow, terms=16)
+    assert_close(fast_aux, slow_aux)
+    doubled, _ = micro_grad(
+        loss, l2_clip_norm=bound, transform_fn=lambda g: jax.tree.map(lambda v: 2 * v, g), **common
+    )(params, x, y)
+    assert_close(doubled, jax.tree.map(lambda v: 2 * v, slow), terms=16)
+
+
+def test_l2_clip_norm_with_zero_gradients_and_keep_batch_dim_false():
+    loss = lambda w, x: jnp.sum(w * x)  # noqa: E731
+    x = jnp.concatenate([jnp.zeros((4, 3)), 10 * jnp.ones((4, 3))])
+    grads, _ = micro_grad(loss, keep_batch_dim=False, microbatch_size=4, l2_clip_norm=1.0)(
+        jnp.ones(3), x
+    )
+    assert_close(grads, 4 * 10 * jnp.ones(3) / jnp.sqrt(300.0))
+
+
+def test_fast_path_forms_no_per_example_gradients(monkeypatch):
+    params = [random_array(0, (64, 256), jnp.float32), random_array(1, (256, 16), jnp.float32)]
+    x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
+    summed = lambda p, x, y: _mlp_loss(p, x, y) * x.shape[0]  # noqa: E731
+    gradient_bytes = 4 * (64 * 256 + 256 * 16)
+    monkeypatch.setattr(_examples, "CHUNK_BYTES", 16 * gradient_bytes)
+    common = {"batch_argnums": (1, 2), "microbatch_size": 256}
+    base = _temp(microbatch(jax.grad(summed), (1, 2), 256, SUM), params, x, y)
+    fast = _temp(micro_grad(_mlp_loss, **common), params, x, y)
+    clipped = _temp(micro_grad(_mlp_loss, l2_clip_norm=1.0, **common), params, x, y)
+    one_by_one = _temp(micro_grad(_mlp_loss, transform_fn=clipper(1.0), **common), params, x, y)
+    assert fast <= 1.5 * base
+    assert one_by_one >= 256 * gradient_bytes  # a microbatch of per-example gradients
+    assert clipped <= 2 * 16 * gradient_bytes + 2 * base  # norms 16 rows at a time
+
+
+# --- accumulation precision ------------------------------------------------------------
+
+
+def test_bf16_mean_accumulates_in_float32_and_keeps_its_dtype():
+    values = jnp.asarray(1.5 + np.random.default_rng(0).uniform(-0.01, 0.01, 4096), jnp.bfloat16)
+    truth = float(np.mean(np.asarray(values, np.float64)))
+    mean = microbatch(jnp.mean, 0, 1, MEAN)(values)
+    assert mean.dtype == jnp.bfloat16
+    assert abs(float(mean) - truth) <= 1e-2 * truth
+    narrow = microbatch(jnp.mean, 0, 1, MEAN, accumulation_dtype=jnp.bfloat16)(values)
+    assert abs(float(narrow) - truth) > 0.5  # the bf16 carry stops growing at 256
+
+
+def _summing(which, dtype):
+    """A transform summing 512 bf16 ones with ``accumulation_dtype=dtype``."""
+    if which == "microbatch":
+        return microbatch(lambda v: jnp.sum(v, 0), 0, 1, SUM, accumulation_dtype=dtype)
+    if which == "micro_vmap":
+        return micro_vmap(lambda v: v, microbatch_size=1, accumulator=SUM, accumulation_dtype=dtype)
+    grad = micro_grad(
+        lambda w, r: jnp.sum(w * r),
+        microbatch_size=1,
+        keep_batch_dim=False,
+        accumulation_dtype=dtype,
+    )
+    return lambda v: grad(jnp.ones(2, jnp.bfloat16), v)[0]
+
+
+@pytest.mark.parametrize("which", ["microbatch", "micro_vmap", "micro_grad"])
+def test_accumulation_dtype_sets_the_carry_and_not_the_result(which):
+    x = jnp.full((512, 2), 1.0, jnp.bfloat16)
+    wide, narrow = _summing(which, None)(x), _summing(which, jnp.bfloat16)(x)
+    assert wide.dtype == narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(wide, np.float32), 512.0)
+    np.testing.assert_array_equal(np.asarray(narrow, np.float32), 256.0)
+
+
+def test_grad_through_microbatch_sums_low_precision_parameters_in_float32():
+    w = jnp.ones((), jnp.bfloat16)
+    xs = jnp.ones((1024,), jnp.bfloat16)
+    fun = lambda w, x: jnp.sum(w * x)  # noqa: E731
+    assert float(jax.grad(microbatch(fun, 1, 1))(w, xs)) == 1024.0
+    assert float(jax.grad(microbatch(fun, 1, 1, accumulation_dtype=jnp.bfloat16))(w, xs)) == 256.0
+
+
+def test_custom_accumulators_keep_full_control_of_the_dtype():
+    summed = Accumulator(
+        init=lambda s: jnp.zeros(s.shape, s.dtype),
+        update=lambda c, x, i: c + x,
+        finalize=lambda c: c,
+        aggregate=lambda x: jnp.sum(x, 0),
+    )
+    x = jnp.ones((512,), jnp.bfloat16)
+    got = microbatch(jnp.sum, 0, 1, summed)(x)
+    assert got.dtype == jnp.bfloat16 and float(got) == 256.0
+
+
+# --- one all-reduce per step on Auto meshes ---------------------------------------------
+
+
+def _mesh(axis_type):
+    return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+
+
+def _grad_variants(mesh_axes):
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    common = {"microbatch_size": 16, "batch_mesh_axes": mesh_axes}
+    return {
+        "fast": micro_grad(loss, **common),
+        "clipped": micro_grad(loss, l2_clip_norm=0.1, **common),
+        "transform": micro_grad(loss, transform_fn=clipper(0.1), **common),
+        "mean": micro_grad(loss, accumulator=MEAN, **common),
+    }
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+@pytest.mark.parametrize("variant", list(_grad_variants(None)))
+def test_batch_mesh_axes_keeps_partial_sums_per_shard(axis_type, variant):
+    fun = _grad_variants(("data",))[variant]
+    w = random_array(0, (16, 16), jnp.float32) / 4
+    x = random_array(1, (256, 16), jnp.float32)
+    want = jax.jit(_grad_variants(None)[variant])(w, x)
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        got = jax.jit(fun)(w, xs)
+        counts = collectives(fun, w, xs)
+        in_loops = all_reduces_in_loops(fun, w, xs)
+    assert_close(got, want, terms=16)
+    assert in_loops == 0
+    assert counts == {
+        "all-gather": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+        "reduce-scatter": 0,
+        "all-reduce": 1,
+    }
+
+
+@pytest.mark.parametrize("kind", REDUCING)
+def test_micro_vmap_batch_mesh_axes_on_an_auto_mesh(kind):
+    fun = micro_vmap(
+        lambda r: jnp.tanh(r * 2.0), microbatch_size=16, accumulator=kind, batch_mesh_axes="data"
+    )
+    x = random_array(1, (256, 16), jnp.float32)
+    mesh = _mesh(AxisType.Auto)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        got = jax.jit(fun)(xs)
+        in_loops = all_reduces_in_loops(fun, xs)
+    assert_close(got, (jnp.sum if kind is SUM else jnp.mean)(jnp.tanh(x * 2.0), 0), terms=16)
+    assert in_loops == 0
+
+
+def test_batch_mesh_axes_errors():
+    fun = micro_vmap(jnp.sin, microbatch_size=16, accumulator=SUM, batch_mesh_axes="data")
+    with pytest.raises(
+        ValueError, match=r"batch_mesh_axes=\('data',\) names mesh axes, but no mesh is set"
+    ):
+        fun(jnp.ones((32, 2)))
+    with (
+        jax.set_mesh(_mesh(AxisType.Auto)),
+        pytest.raises(
+            ValueError,
+            match=r"names \['model'\], which the mesh \(axes \('data',\)\) does not have",
+        ),
+    ):
+        micro_vmap(jnp.sin, microbatch_size=16, accumulator=SUM, batch_mesh_axes="model")(
+            jnp.ones((32, 2))
+        )
+    with (
+        jax.set_mesh(_mesh(AxisType.Auto)),
+        pytest.raises(
+            ValueError,
+            match="The microbatch has 4 rows, which the 8 shards of mesh axis 'data' do not divide",
+        ),
+    ):
+        micro_vmap(jnp.sin, microbatch_size=4, accumulator=SUM, batch_mesh_axes="data")(
+            jnp.ones((32, 2))
+        )
