@@ -261,7 +261,7 @@ def test_missing_batch_argument_of_micro_grad_names_it():
 
 def test_custom_init_of_the_wrong_shape_says_so():
     wrong = Accumulator(
-        init=lambda s: jnp.zeros((5,)),
+        init=lambda s: jnp.zeros((5,), jnp.float32),
         update=lambda c, x, i: c + x,
         finalize=lambda c: c,
         aggregate=lambda x: jnp.sum(x, 0),

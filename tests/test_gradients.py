@@ -53,7 +53,7 @@ def whole(kind):
 
 
 def scalar(out):
-    weights = jnp.arange(1.0, 1.0 + out.size).reshape(out.shape)
+    weights = jnp.arange(1.0, 1.0 + out.size, dtype=out.dtype).reshape(out.shape)
     return jnp.sum(jnp.sin(out) * weights)
 
 

@@ -91,9 +91,7 @@ def clip_factors(grads: PyTree, bound: float) -> jax.Array:
     """``min(1, bound / ||g_b||)`` per example, for gradients stacked on axis 0."""
     leaves = jax.tree.leaves(grads)
     rows = leaves[0].shape[0]
-    squares = sum(
-        jnp.sum(jnp.reshape(g, (rows, -1)).astype(jnp.float32) ** 2, axis=1) for g in leaves
-    )
+    squares = sum(jnp.sum(jnp.reshape(_wide(g), (rows, -1)) ** 2, axis=1) for g in leaves)
     return jnp.minimum(1.0, bound / jnp.sqrt(squares))
 
 
@@ -249,4 +247,9 @@ def _open(g: jax.Array, requested: Any, merge: str | None) -> Any:
 
 
 def _norm(tree: PyTree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(tree)))
+    return jnp.sqrt(sum(jnp.sum(_wide(g) ** 2) for g in jax.tree.leaves(tree)))
+
+
+def _wide(g: jax.Array) -> jax.Array:
+    """``g`` in at least float32, so that norms of narrow gradients do not overflow."""
+    return g.astype(jnp.promote_types(g.dtype, jnp.float32))
