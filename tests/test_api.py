@@ -17,7 +17,7 @@ SPEC_NAMES = {
 
 
 def test_all_is_the_public_surface():
-    assert set(microbatching.__all__) == SPEC_NAMES | {"Aux"}
+    assert set(microbatching.__all__) == SPEC_NAMES | {"Aux", "Plan", "PlanRow", "plan"}
     public = {n for n in dir(microbatching) if not n.startswith("_")}
     assert public == set(microbatching.__all__)
 
@@ -44,6 +44,7 @@ def test_signatures_follow_the_spec():
         ("in_axes", p.KEYWORD_ONLY, 0),
         ("num_real_microbatches", p.KEYWORD_ONLY, None),
         ("accumulation_dtype", p.KEYWORD_ONLY, None),  # ours, beyond the spec
+        ("progress", p.KEYWORD_ONLY, False),
     ]
     vmap_params = _parameters(mb.micro_vmap)
     assert [n for n, *_ in vmap_params] == [
@@ -56,6 +57,7 @@ def test_signatures_follow_the_spec():
         "num_real_microbatches",
         "accumulation_dtype",  # ours, beyond the spec, keyword-only
         "batch_mesh_axes",
+        "progress",
     ]
     assert vmap_params[6] == ("num_real_microbatches", p.KEYWORD_ONLY, None)
     assert [n for n, *_ in _parameters(mb.micro_grad)] == [
@@ -72,6 +74,7 @@ def test_signatures_follow_the_spec():
         "l2_clip_norm",  # ours, beyond the spec, keyword-only
         "accumulation_dtype",
         "batch_mesh_axes",
+        "progress",
     ]
     extra = {"accumulation_dtype", "batch_mesh_axes", "l2_clip_norm"}
     for fun in (mb.microbatch, mb.micro_vmap, mb.micro_grad):

@@ -7,14 +7,22 @@ from ._grad import Aux as Aux
 from ._grad import micro_grad as micro_grad
 from ._layout import reshape_batch_axis as reshape_batch_axis
 from ._microbatch import microbatch as microbatch
+from ._plan import Plan as Plan
+from ._plan import PlanRow as PlanRow
+from ._plan import plan as plan
 from ._vmap import micro_vmap as micro_vmap
+
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulationType",
     "Accumulator",
     "Aux",
+    "Plan",
+    "PlanRow",
     "micro_grad",
     "micro_vmap",
     "microbatch",
+    "plan",
     "reshape_batch_axis",
 ]

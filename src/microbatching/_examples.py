@@ -21,8 +21,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _accumulators, _layout, _vmap
+from ._microbatch import Settings
 from ._signature import BatchAxes
 from ._typing import Function, PyTree
 
@@ -83,6 +85,25 @@ class Examples:
         out = self.fun(*args, **kwargs)
         return out if self.has_aux else (out, None)
 
+    def check_differentiable(self, args: tuple[Any, ...]) -> None:
+        """Raises a TypeError with a fix for a non-array leaf in a differentiated argument."""
+        nums = (self.argnums,) if isinstance(self.argnums, int) else self.argnums
+        for i in nums:
+            if i >= len(args):
+                continue
+            name = self.axes.label(i)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+                if not isinstance(leaf, jax.Array | np.ndarray | np.generic | float | complex):
+                    raise TypeError(
+                        f"micro_grad differentiates `{name}` (argnums={self.argnums}), but its "
+                        f"leaf `{name}{jax.tree_util.keystr(path)}` is {leaf!r} of type "
+                        f"{type(leaf).__name__}, not a float array. Split the non-array parts "
+                        "out and pass them separately: with Equinox, `params, static = "
+                        "eqx.partition(model, eqx.is_inexact_array)` and `eqx.combine(params, "
+                        "static)` inside the loss; with Flax NNX, `graphdef, state = "
+                        "nnx.split(model)`; or bind them with functools.partial."
+                    )
+
     def value_and_grad(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], PyTree]:
         return jax.value_and_grad(self.loss, self.argnums, has_aux=True)(*args, **kwargs)
 
@@ -120,14 +141,14 @@ def summed(
     accumulators: Any,
     clip: float | None,
     metrics: Callable[[PyTree], PyTree] | None,
-    requested: Any,
-    mesh_axes: tuple[str, ...] | None,
+    settings: Settings,
 ) -> Function:
     """A microbatch's summed (or averaged) gradient and its per-example ``Aux``.
 
     On a sharded batch each shard sums its own rows, and the partial sums stay open, one
     per shard, until the loop ends.
     """
+    requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
     losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
     gradients = _vmap.vmapped(
         lambda *a, **k: example.value_and_grad(*a, **k)[1], example.axes, jax.vmap

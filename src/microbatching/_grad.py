@@ -10,7 +10,7 @@ import jax
 from . import _accumulators, _checks, _examples, _signature, _vmap
 from ._accumulators import AccumulationType
 from ._examples import Aux, identity, no_metrics
-from ._microbatch import wraps
+from ._microbatch import Settings, wraps
 from ._typing import Count, P, PyTree
 
 
@@ -29,6 +29,7 @@ def micro_grad(
     l2_clip_norm: float | None = None,
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
+    progress: bool = False,
 ) -> Callable[P, tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
@@ -61,6 +62,7 @@ def micro_grad(
         clip factors. ``metrics_fn`` sees the gradients before clipping.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
+      progress: See ``microbatch``.
 
     Returns:
       A function returning ``(accumulated transformed gradients, Aux)``.
@@ -107,39 +109,26 @@ def micro_grad(
     transform = _checks.ensure_callable("transform_fn", transform_fn)
     metrics = _checks.ensure_callable("metrics_fn", metrics_fn)
     accumulators = _accumulators.ensure_tree(accumulator)
-    requested = _checks.ensure_accumulation_dtype(accumulation_dtype)
-    mesh_axes = _checks.ensure_mesh_axes(batch_mesh_axes)
+    settings = Settings(
+        _checks.ensure_microbatch_size(microbatch_size),
+        (accumulators, AccumulationType.CONCAT),
+        _checks.ensure_count(num_real_microbatches),
+        _checks.ensure_accumulation_dtype(accumulation_dtype),
+        _checks.ensure_mesh_axes(batch_mesh_axes),
+        _checks.ensure_bool("progress", progress),
+        "micro_grad",
+    )
     clip = _checks.ensure_clip_norm(l2_clip_norm)
-    size = _checks.ensure_microbatch_size(microbatch_size)
-    count = _checks.ensure_count(num_real_microbatches)
     if transform is identity and _accumulators.is_linear(accumulators):
-        summed = _examples.summed(
-            example,
-            accumulators,
-            clip,
-            None if metrics is no_metrics else metrics,
-            requested,
-            mesh_axes,
-        )
-        looped = _vmap.loop_over(
-            summed,
-            axes,
-            size,
-            (accumulators, AccumulationType.CONCAT),
-            count,
-            requested,
-            "micro_grad",
-        )
+        measure = None if metrics is no_metrics else metrics
+        summed = _examples.summed(example, accumulators, clip, measure, settings)
+        looped = _vmap.loop_over(summed, axes, settings)
     else:
-        looped = _vmap.build(
-            _examples.per_example(example, clip, transform, metrics),
-            axes,
-            size,
-            jax.vmap,
-            (accumulators, AccumulationType.CONCAT),
-            count,
-            requested,
-            mesh_axes,
-            "micro_grad",
-        )
-    return wraps(fun, looped)
+        per_example = _examples.per_example(example, clip, transform, metrics)
+        looped = _vmap.build(per_example, axes, jax.vmap, settings)
+
+    def checked(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
+        example.check_differentiable(_signature.to_positions(axes.signature, args, kwargs)[0])
+        return looped(*args, **kwargs)
+
+    return wraps(fun, checked, settings)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from . import _accumulators, _batch, _checks, _gradients, _layout, _sharding, _signature
+from . import (
+    _accumulators,
+    _batch,
+    _checks,
+    _eager,
+    _gradients,
+    _layout,
+    _progress,
+    _sharding,
+    _signature,
+)
 from ._accumulators import AccumulationType
 from ._batch import Batch
 from ._signature import BatchAxes
@@ -25,6 +36,7 @@ def microbatch(
     in_axes: InAxes = 0,
     num_real_microbatches: Count = None,
     accumulation_dtype: Any = None,
+    progress: bool = False,
 ) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
@@ -54,6 +66,8 @@ def microbatch(
       accumulation_dtype: The dtype in which the built-in reductions (SUM, MEAN,
         RUNNING_MEAN) accumulate floating results. None, the default, accumulates
         floats narrower than 32 bits in float32. The result keeps ``fun``'s dtype.
+      progress: Print a progress bar over the microbatches to standard error, from
+        inside the compiled loop (one line per 10% when the output is not a terminal).
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.
@@ -74,64 +88,100 @@ def microbatch(
     (Array([2, 3, 4, 5], dtype=int32), Array(30, dtype=int32))
     """
     axes = _signature.microbatch_axes(fun, argnums, argnames, in_axes)
-    looped = loop(
-        fun,
-        axes,
+    settings = Settings(
         _checks.ensure_microbatch_size(microbatch_size),
         _accumulators.ensure_tree(accumulator),
         _checks.ensure_count(num_real_microbatches),
         _checks.ensure_accumulation_dtype(accumulation_dtype),
+        progress=_checks.ensure_bool("progress", progress),
     )
-    return wraps(fun, looped)
+    return wraps(fun, loop(fun, axes, settings), settings)
 
 
-def wraps(fun: Callable[P, Any], wrapper: Function) -> Callable[P, Any]:
+STATE_HINT = (
+    "microbatching: fun mutates state that lives outside the loop (in Flax NNX, e.g. the "
+    "Rngs counter of a Dropout layer), which JAX cannot do from inside a traced loop. Pass "
+    "the state in as an argument instead: split the module with `graphdef, state = "
+    "nnx.split(model)` and `nnx.merge(graphdef, state)` inside fun, and give each example "
+    "its own PRNG key as a batch argument, e.g. `jax.random.split(key, batch_size)`."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How a transform loops, normalised when the user wraps ``fun``.
+
+    Attributes:
+      size: ``microbatch_size``.
+      accumulator: The accumulator tree (optax's leaves replaced by ours).
+      count: ``num_real_microbatches``: None, an int or a traced integer.
+      accumulation_dtype: The requested accumulation dtype, or None for the default.
+      mesh_axes: ``batch_mesh_axes``.
+      progress: Whether the loop reports each microbatch to a progress bar.
+      span: The transform's name, for profiler spans and the progress bar.
+    """
+
+    size: int | None
+    accumulator: Any
+    count: Count
+    accumulation_dtype: Any
+    mesh_axes: tuple[str, ...] | None = None
+    progress: bool = False
+    span: str = "microbatch"
+
+
+def wraps(fun: Callable[P, Any], wrapper: Function, settings: Settings) -> Callable[P, Any]:
     """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
 
     Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
-    when one becomes a module field; our wrappers are plain functions.
+    when one becomes a module field; our wrappers are plain functions. Eager calls go
+    through a cached ``jax.jit`` (``_eager``), unless there is no loop to compile.
     """
+    if settings.size is not None:
+        wrapper = _eager.cached(wrapper)
     out = functools.wraps(fun, updated=())(wrapper)
     del out.__wrapped__
     return out
 
 
-def loop(
-    fun: Function,
-    axes: BatchAxes,
-    size: int | None,
-    accumulator: Any,
-    count: Count,
-    accumulation_dtype: Any,
-    span: str = "microbatch",
-) -> Function:
+def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
     """The microbatched ``fun``: locates the batch in each call and runs the loop.
 
     ``fun`` is called with the call's arguments, each batch argument cut to one microbatch.
-    ``span`` names the outer profiler span, ``{span}({fun_name})``. The spans of
-    optax.microbatching are there too: ``microbatch_size_{m}`` around the loop and
-    ``{n}_microbatches`` in its body.
+    The outer profiler span is ``{span}({fun_name})``; the spans of optax.microbatching
+    are there too: ``microbatch_size_{m}`` around the loop and ``{n}_microbatches`` in its
+    body.
     """
+    size, name = settings.size, f"{settings.span}({axes.fun_name})"
 
     def looped(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(f"{span}({axes.fun_name})"):
+        with jax.named_scope(name):
             if size is None and axes.transform == "microbatch":
                 return fun(*args, **kwargs)
-            batch = _batch.locate(axes, args, kwargs, size, None if size is None else count)
+            count = None if size is None else settings.count
+            batch = _batch.locate(axes, args, kwargs, size, count)
             if size is None:
                 return _layout.close(fun(*args, **kwargs))
             with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{size}"):
-                acc = _accumulators.combine(accumulator, batch.num_microbatches, accumulation_dtype)
-                return _layout.close(_run(fun, batch, size, acc, accumulation_dtype))
+                acc = _accumulators.combine(
+                    settings.accumulator, batch.num_microbatches, settings.accumulation_dtype
+                )
+                progress = name if settings.progress else None
+                return _layout.close(
+                    _run(fun, batch, size, acc, settings.accumulation_dtype, progress)
+                )
 
     return looped
 
 
-def _run(fun: Function, batch: Batch, size: int, acc: Any, requested: Any) -> Any:
+def _run(
+    fun: Function, batch: Batch, size: int, acc: Any, requested: Any, progress: str | None
+) -> Any:
     """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop.
 
     The trip count is static, so reverse-mode differentiation works: a traced
     ``num_real_microbatches`` skips the microbatches past it with a ``lax.cond``.
+    ``progress`` names the bar that each microbatch reports to, if any.
     """
     batched = batch.batched
 
@@ -151,7 +201,12 @@ def _run(fun: Function, batch: Batch, size: int, acc: Any, requested: Any) -> An
         _layout.microbatch_struct(batch.leaves[i], ax, size)
         for i, ax in zip(batched, axes, strict=True)
     ]
-    jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
+    try:
+        jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
+    except Exception as err:
+        if "different trace level" in str(err):  # Flax NNX state mutated inside the loop
+            err.add_note(STATE_HINT)
+        raise
     out_tree = jax.tree.structure(out_shape)
     carry = acc.init(out_shape)
     if batch.num_microbatches == 0:
@@ -164,7 +219,13 @@ def _run(fun: Function, batch: Batch, size: int, acc: Any, requested: Any) -> An
 
     def body(index: Any, carry: Any) -> Any:
         with jax.named_scope(f"{batch.num_microbatches}_microbatches"):
-            return acc.update(carry, out_tree.unflatten(run(index)), index)
+            carry = acc.update(carry, out_tree.unflatten(run(index)), index)
+        if progress is not None:
+            # The barrier makes the index available only once the carry is computed, so
+            # the report comes after the microbatch's work.
+            index, carry = jax.lax.optimization_barrier((index, carry))
+            _progress.tick(progress, index, batch.bound)
+        return carry
 
     bound = batch.bound
     if isinstance(bound, int):

@@ -10,7 +10,7 @@ import jax
 
 from . import _accumulators, _checks, _signature
 from ._accumulators import AccumulationType
-from ._microbatch import loop, wraps
+from ._microbatch import Settings, loop, wraps
 from ._signature import BatchAxes
 from ._typing import Count, Function, InAxes, P, VmapFn
 
@@ -26,6 +26,7 @@ def micro_vmap(
     num_real_microbatches: Count = None,
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
+    progress: bool = False,
 ) -> Callable[P, Any]:
     """Maps ``fun`` over a batch axis, one microbatch at a time.
 
@@ -53,6 +54,7 @@ def micro_vmap(
         mesh (call inside ``jax.set_mesh``). Reductions then keep one partial result per
         shard through the loop and all-reduce once after it, as they do on Explicit
         meshes, where the sharding is read from the arrays' types and this is not needed.
+      progress: See ``microbatch``.
 
     Returns:
       A function taking ``fun``'s arguments with an extra batch axis.
@@ -75,58 +77,42 @@ def micro_vmap(
             "with jnp.moveaxis."
         )
     axes = _signature.vmap_axes(fun, in_axes)
-    looped = build(
-        fun,
-        axes,
+    settings = Settings(
         _checks.ensure_microbatch_size(microbatch_size),
-        _checks.ensure_callable("vmap_fn", vmap_fn),
         _accumulators.ensure_tree(accumulator),
         _checks.ensure_count(num_real_microbatches),
         _checks.ensure_accumulation_dtype(accumulation_dtype),
         _checks.ensure_mesh_axes(batch_mesh_axes),
+        _checks.ensure_bool("progress", progress),
+        "micro_vmap",
     )
-    return wraps(fun, looped)
+    looped = build(fun, axes, _checks.ensure_callable("vmap_fn", vmap_fn), settings)
+    return wraps(fun, looped, settings)
 
 
-def build(
-    fun: Function,
-    axes: BatchAxes,
-    size: int | None,
-    vmap_fn: VmapFn,
-    accumulator: Any,
-    count: Count,
-    accumulation_dtype: Any,
-    mesh_axes: tuple[str, ...] | None,
-    span: str = "micro_vmap",
-) -> Function:
+def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
     """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch."""
     mapped = vmapped(fun, axes, vmap_fn)
+    accumulator = settings.accumulator
+    dtype, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
 
     def per_microbatch(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope("micro_vmap_step"):
-            combined = _accumulators.combine(accumulator, 1, accumulation_dtype, mesh_axes)
+            combined = _accumulators.combine(accumulator, 1, dtype, mesh_axes)
             return combined.aggregate(mapped(*args, **kwargs))
 
-    return loop_over(per_microbatch, axes, size, accumulator, count, accumulation_dtype, span)
+    return loop_over(per_microbatch, axes, settings)
 
 
-def loop_over(
-    per_microbatch: Function,
-    axes: BatchAxes,
-    size: int | None,
-    accumulator: Any,
-    count: Count,
-    accumulation_dtype: Any,
-    span: str,
-) -> Function:
+def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> Function:
     """The loop over ``per_microbatch``, called as ``fun`` would be called.
 
     Keyword arguments that name positional parameters become positional first. Profiler
     spans: ``{span}_size_{m}`` and ``micro_vmap_size_{m}``, as optax.microbatching writes.
     """
-    looped = loop(per_microbatch, axes, size, accumulator, count, accumulation_dtype, span)
-    outer = f"{span}_size_{size}"
-    inner = f"micro_vmap_size_{size}"
+    looped = loop(per_microbatch, axes, settings)
+    outer = f"{settings.span}_size_{settings.size}"
+    inner = f"micro_vmap_size_{settings.size}"
 
     def called(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _signature.to_positions(axes.signature, args, kwargs)

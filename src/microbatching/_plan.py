@@ -1,0 +1,438 @@
+"""The planner: ``plan`` compiles a function at several microbatch sizes and picks one.
+
+Nothing runs: each candidate is compiled for the example arguments' shapes, and XLA's own
+memory and cost analyses of the compiled program are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _checks, _sharding
+
+Build = Callable[[int | None], Callable[..., Any]]
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_FLOP_UNITS = ("", "K", "M", "G", "T", "P", "E")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """What one candidate microbatch size costs, from its compiled program.
+
+    Attributes:
+      microbatch_size: The candidate; None runs the whole batch without microbatching.
+      num_microbatches: ``batch_size // microbatch_size`` (1 for None).
+      temp_bytes: The compiled program's scratch memory (``temp_size_in_bytes``).
+      total_bytes: ``temp + arguments + outputs - aliases`` from the compiled program's
+        memory analysis: what one call needs on a device (per device when sharded). The
+        generated code is not counted.
+      flops: An estimate of the floating-point work of one call over the whole batch, or
+        None if the backend reports none. XLA's cost analysis counts a loop body once, so
+        when the compiled program still loops, its count is multiplied by
+        ``num_microbatches``; work outside the loop is multiplied too, a small overestimate.
+      fits: Whether ``total_bytes`` is at most the plan's memory budget.
+
+    >>> import jax.numpy as jnp
+    >>> from microbatching import AccumulationType, microbatch, plan
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+    >>> build = lambda m: microbatch(loss, 1, m, AccumulationType.MEAN)
+    >>> w, x = jnp.ones((8, 8)), jnp.ones((32, 8))
+    >>> (row,) = plan(build, w, x, batch_size=32, candidates=[4], memory_budget=2**30).table
+    >>> row.microbatch_size, row.num_microbatches, row.fits, row.total_bytes > row.temp_bytes
+    (4, 8, True, True)
+    """
+
+    microbatch_size: int | None
+    num_microbatches: int
+    temp_bytes: int
+    total_bytes: int
+    flops: float | None
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The microbatch size chosen by ``plan``, and what every candidate costs.
+
+    Attributes:
+      microbatch_size: The largest candidate whose total memory fits ``memory_budget``
+        (None, no microbatching, counts as larger than any size).
+      memory_budget: The budget in bytes, per device.
+      batch_size: The batch size the candidates divide.
+      table: One ``PlanRow`` per candidate, smallest microbatch size first, None last.
+
+    ``str(plan)`` renders the table, with the chosen row marked ``*``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from microbatching import AccumulationType, microbatch, plan
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+    >>> build = lambda m: jax.grad(microbatch(loss, 1, m, AccumulationType.MEAN))
+    >>> w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    >>> x = jax.ShapeDtypeStruct((12, 16), jnp.float32)
+    >>> p = plan(build, w, x, batch_size=12, memory_budget=2**30)
+    >>> [row.microbatch_size for row in p.table]
+    [1, 2, 3, 4, 6, 12]
+    >>> print(str(p).splitlines()[0])
+    Plan for batch_size=12 within memory_budget=1.0 GiB per device:
+    """
+
+    microbatch_size: int | None
+    memory_budget: int
+    batch_size: int
+    table: tuple[PlanRow, ...]
+
+    def __str__(self) -> str:
+        header = (
+            f"Plan for batch_size={self.batch_size} within memory_budget="
+            f"{_bytes(self.memory_budget)} per device:"
+        )
+        chosen = [row.fits and row.microbatch_size == self.microbatch_size for row in self.table]
+        footer = (
+            "  total = temp + arguments + outputs - aliases; flops estimated for the batch."
+            if any(chosen)
+            else "  nothing fits."
+        )
+        return "\n".join([header, *_render(self.table, chosen), footer])
+
+
+def plan(
+    build: Build,
+    /,
+    *args: Any,
+    memory_budget: float | None = None,
+    candidates: Sequence[int | None] | None = None,
+    batch_size: int | None = None,
+    safety_margin: float = 0.9,
+    **kwargs: Any,
+) -> Plan:
+    """Picks the largest microbatch size whose compiled program fits in memory.
+
+    For each candidate ``m``, ``jax.jit(build(m)).lower(*args, **kwargs).compile()`` is
+    compiled (never run) and its memory analysis read: the total is
+    ``temp + arguments + outputs - aliases`` bytes, per device for sharded arguments. The
+    measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
+    shardings, batch size, mesh and candidate, so planning again, under any budget or with
+    candidates already measured, compiles nothing.
+
+    Args:
+      build: ``build(microbatch_size)`` returns the function to run, e.g.
+        ``lambda m: jax.grad(microbatch(loss, (1, 2), m, AccumulationType.MEAN))``.
+      *args: Example positional arguments of that function: arrays or
+        ``jax.ShapeDtypeStruct``, possibly sharded. Only their shapes, dtypes and
+        shardings are used.
+      memory_budget: Bytes available per device. None takes the device's limit
+        (``memory_stats()["bytes_limit"]`` of the devices the arguments live on, else of
+        ``jax.devices()[0]``) times ``safety_margin``; CPUs report none, so pass it there.
+      candidates: The microbatch sizes to try, each dividing the batch size, or None for
+        no microbatching (counted as larger than any size). By default every divisor of
+        the batch size; None is not tried, as the whole batch in one microbatch is the
+        same program in all but the loop.
+      batch_size: The size of the batch axis that ``build``'s function splits. By
+        default the leading-axis size of the arguments' arrays, which must all agree;
+        pass it when they do not (parameters next to the batch).
+      safety_margin: The fraction of the device's limit to plan for when
+        ``memory_budget`` is None, in (0, 1]. It leaves room for fragmentation, other
+        buffers and the generated code.
+      **kwargs: Example keyword arguments of that function, as ``*args``.
+
+    Returns:
+      A ``Plan``: the chosen ``microbatch_size`` and a table of every candidate.
+
+    Raises:
+      TypeError, ValueError: For bad arguments, a batch size that cannot be inferred, a
+        device that reports no memory limit, or when no candidate fits the budget (the
+        message shows the table).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from microbatching import AccumulationType, microbatch, plan
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+    >>> build = lambda m: jax.grad(microbatch(loss, 1, m, AccumulationType.MEAN))
+    >>> w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
+    >>> p = plan(build, w, x, batch_size=64, candidates=[4, 8], memory_budget=2**30)
+    >>> p.microbatch_size, [row.microbatch_size for row in p.table]
+    (8, [4, 8])
+    >>> tight = p.table[0].total_bytes  # what microbatch_size=4 needs
+    >>> plan(build, w, x, batch_size=64, candidates=[4, 8], memory_budget=tight).microbatch_size
+    4
+    """
+    _checks.ensure_callable("build", build)
+    labels, specs, treedef = _specs(args, kwargs)
+    size = _batch_size(batch_size, labels, specs)
+    sizes = _candidates(candidates, size)
+    budget = _budget(memory_budget, safety_margin, specs)
+    measured = _measure_all(build, treedef, specs, size, sizes)
+    table = tuple(PlanRow(*m, fits=m[3] <= budget) for m in measured)
+    fitting = [row.microbatch_size for row in table if row.fits]
+    result = Plan(fitting[-1] if fitting else None, budget, size, table)
+    if not fitting:
+        raise ValueError(_nothing_fits(result))
+    return result
+
+
+_CACHE: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+
+
+def _cached(build: Build, key: Hashable, measure: Callable[[], Any]) -> Any:
+    """``measure()``, remembered per ``build`` while ``build`` lives."""
+    try:
+        per_build = _CACHE.setdefault(build, {})
+    except TypeError:  # not weakly referenceable: plan without a cache
+        return measure()
+    if key not in per_build:
+        per_build[key] = measure()
+    return per_build[key]
+
+
+def _specs(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[str], list[jax.ShapeDtypeStruct], Any]:
+    """The example arguments' leaves as ShapeDtypeStructs, labelled, and their treedef."""
+    labels: list[str] = []
+    specs: list[jax.ShapeDtypeStruct] = []
+    for label, arg in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            labels.append(label + jax.tree_util.keystr(path))
+            specs.append(_spec(leaf, labels[-1]))
+    return labels, specs, jax.tree.structure((args, kwargs))
+
+
+def _spec(leaf: Any, label: str) -> jax.ShapeDtypeStruct:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    try:
+        aval = jax.typeof(leaf)
+    except TypeError as err:
+        raise TypeError(
+            f"plan's example arguments must be arrays, jax.ShapeDtypeStruct or scalars, got "
+            f"{label}={leaf!r}; pass other values to the function through build (a closure "
+            "or functools.partial)."
+        ) from err
+    sharding = leaf.sharding if isinstance(leaf, jax.Array) else None
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
+
+
+def _batch_size(batch_size: Any, labels: list[str], specs: list[jax.ShapeDtypeStruct]) -> int:
+    """``batch_size`` checked, or the leading-axis size that every array argument shares."""
+    if batch_size is not None:
+        if not _checks.is_int(batch_size):
+            raise TypeError(
+                f"batch_size must be a positive int or None, got {batch_size=}; pass the size "
+                "of the batch axis, e.g. batch_size=256."
+            )
+        if operator.index(batch_size) < 1:
+            raise ValueError(
+                f"batch_size must be a positive int, got {batch_size=}; pass the size of the "
+                "batch axis, e.g. batch_size=256."
+            )
+        return operator.index(batch_size)
+    leading = [(lab, s.shape) for lab, s in zip(labels, specs, strict=True) if s.shape]
+    sizes = {shape[0] for _, shape in leading}
+    if len(sizes) != 1 or 0 in sizes:
+        listing = ", ".join(f"{lab} of shape {shape}" for lab, shape in leading) or "none"
+        raise ValueError(
+            "plan cannot tell the batch size: it is the leading-axis size shared by the "
+            f"array arguments, and they have leading sizes {sorted(sizes)} ({listing}); "
+            "pass batch_size=, the size of the axis that build's function splits."
+        )
+    return sizes.pop()
+
+
+def _candidates(candidates: Any, batch_size: int) -> tuple[int | None, ...]:
+    """The candidate sizes, checked against ``batch_size``, ascending with None last."""
+    if candidates is None:
+        return tuple(d for d in range(1, batch_size + 1) if batch_size % d == 0)
+    if not isinstance(candidates, Sequence) or isinstance(candidates, str) or not candidates:
+        raise TypeError(
+            f"candidates must be a non-empty sequence of microbatch sizes (positive "
+            f"ints, or None for no microbatching), got {candidates=}; pass e.g. "
+            "candidates=[8, 16, 32], or leave it None to try every divisor of the batch size."
+        )
+    for i, m in enumerate(candidates):
+        _check_candidate(i, m, batch_size)
+    sizes = [None if m is None else operator.index(m) for m in candidates]
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"candidates must not repeat a size, got {candidates=}.")
+    return (*sorted(m for m in sizes if m is not None), *(None for m in sizes if m is None))
+
+
+def _check_candidate(i: int, m: Any, batch_size: int) -> None:
+    if m is None:
+        return
+    if not _checks.is_int(m):
+        raise TypeError(
+            f"candidates[{i}] must be a positive int or None, got {m!r} of type "
+            f"{type(m).__name__}; pass microbatch sizes such as 8."
+        )
+    if operator.index(m) < 1 or batch_size % operator.index(m):
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(
+            f"candidates[{i}]={m} does not divide {batch_size=}; a microbatch size must, "
+            f"so choose among {divisors}."
+        )
+
+
+def _budget(memory_budget: Any, safety_margin: Any, specs: list[jax.ShapeDtypeStruct]) -> int:
+    """``memory_budget`` checked, or the arguments' devices' limit times ``safety_margin``."""
+    margin = _number("safety_margin", safety_margin, "pass e.g. safety_margin=0.9.")
+    if not 0 < margin <= 1:
+        raise ValueError(
+            f"safety_margin must be in (0, 1], got {safety_margin=}; pass e.g. 0.9 to plan "
+            "for 90% of the device's memory."
+        )
+    if memory_budget is None:
+        return int(min(_limit(d) for d in _devices(specs)) * margin)
+    fix = "pass e.g. memory_budget=8 * 2**30 for 8 GiB."
+    budget = _number("memory_budget", memory_budget, fix)
+    if not 1 <= budget < float("inf"):
+        raise ValueError(
+            f"memory_budget must be at least 1 byte and finite, got {memory_budget=}; {fix}"
+        )
+    return int(budget)
+
+
+def _number(name: str, value: Any, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a number, got {name}={value!r}; {fix}")
+    return float(value)
+
+
+def _devices(specs: list[jax.ShapeDtypeStruct]) -> list[Any]:
+    """This process's devices that the arguments live on, else the default device."""
+    devices = {
+        d
+        for s in specs
+        if isinstance(s.sharding, jax.sharding.Sharding)
+        for d in s.sharding.device_set
+        if d.process_index == jax.process_index()
+    }
+    return sorted(devices, key=lambda d: d.id) or [jax.devices()[0]]
+
+
+def _limit(device: Any) -> int:
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(
+            f"memory_budget is None, but device {device.platform}:{device.id} reports no "
+            "memory limit (memory_stats() has no bytes_limit, as on CPU); pass "
+            "memory_budget= in bytes, e.g. memory_budget=8 * 2**30 for 8 GiB."
+        )
+    return int(stats["bytes_limit"])
+
+
+def _measure_all(
+    build: Build,
+    treedef: Any,
+    specs: list[jax.ShapeDtypeStruct],
+    batch_size: int,
+    sizes: tuple[int | None, ...],
+) -> list[tuple[Any, ...]]:
+    """``(microbatch_size, num_microbatches, temp, total, flops)`` of each candidate."""
+    args, kwargs = jax.tree.unflatten(treedef, specs)
+    key = (treedef, tuple(specs), batch_size, jax.sharding.get_abstract_mesh())
+    with _sharding.mesh_of(specs):
+        return [
+            _cached(
+                build, (*key, m), functools.partial(_measure, build, m, batch_size, args, kwargs)
+            )
+            for m in sizes
+        ]
+
+
+def _measure(
+    build: Build, m: int | None, batch_size: int, args: Any, kwargs: Any
+) -> tuple[Any, ...]:
+    fun = build(m)
+    if not callable(fun):
+        raise TypeError(
+            f"build must return the function to run, but build({m}) returned {fun!r}; "
+            "return e.g. microbatch(loss, 1, m)."
+        )
+    try:
+        compiled = jax.jit(fun).lower(*args, **kwargs).compile()
+    except Exception as err:
+        err.add_note(f"(raised by plan while compiling build({m}))")
+        raise
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise ValueError(
+            f"The {jax.default_backend()} backend gives no memory analysis of compiled "
+            "programs, so plan cannot measure them; choose microbatch_size by hand."
+        )
+    total = (
+        memory.temp_size_in_bytes
+        + memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+    n = 1 if m is None else batch_size // m
+    return m, n, memory.temp_size_in_bytes, total, _flops(compiled, n)
+
+
+def _flops(compiled: Any, num_microbatches: int) -> float | None:
+    """The compiler's flops, times the trip count if the program still loops."""
+    cost = compiled.cost_analysis()
+    flops = cost.get("flops") if isinstance(cost, dict) else None
+    if flops is None or flops < 0:
+        return None
+    loops = " while(" in (compiled.as_text() or "")
+    return float(flops) * (num_microbatches if loops else 1)
+
+
+def _nothing_fits(result: Plan) -> str:
+    smallest = min(result.table, key=lambda row: row.total_bytes)
+    return (
+        f"No candidate microbatch size fits memory_budget={result.memory_budget} "
+        f"({_bytes(result.memory_budget)}): the smallest total is {smallest.total_bytes} bytes "
+        f"({_bytes(smallest.total_bytes)}), with microbatch_size={smallest.microbatch_size}. "
+        "Raise memory_budget, try smaller candidates=, or shard the arguments over more "
+        f"devices.\n{result}"
+    )
+
+
+def _render(table: tuple[PlanRow, ...], chosen: list[bool]) -> list[str]:
+    """Aligned rows under a header; the chosen one starts with ``*``."""
+    head = ("microbatch_size", "microbatches", "temp", "total", "flops", "fits")
+    cells = [
+        (
+            str(row.microbatch_size),
+            str(row.num_microbatches),
+            _bytes(row.temp_bytes),
+            _bytes(row.total_bytes),
+            "?" if row.flops is None else _si(row.flops),
+            "yes" if row.fits else "no",
+        )
+        for row in table
+    ]
+    widths = [max(len(line[i]) for line in [head, *cells]) for i in range(len(head))]
+    marks = [" ", *("*" if c else " " for c in chosen)]
+    return [
+        f"{mark} " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True))
+        for mark, line in zip(marks, [head, *cells], strict=True)
+    ]
+
+
+def _bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: binary units, one decimal."""
+    unit = 0
+    while abs(n) >= 1024 and unit < len(_BYTE_UNITS) - 1:
+        n, unit = n / 1024, unit + 1
+    return f"{int(n)} B" if unit == 0 else f"{n:.1f} {_BYTE_UNITS[unit]}"
+
+
+def _si(x: float) -> str:
+    """``4.3e6`` -> ``'4.30 M'``: decimal units, two decimals."""
+    unit = 0
+    while abs(x) >= 1000 and unit < len(_FLOP_UNITS) - 1:
+        x, unit = x / 1000, unit + 1
+    return f"{x:.2f} {_FLOP_UNITS[unit]}" if unit else f"{x:.0f}"

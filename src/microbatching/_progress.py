@@ -1,0 +1,71 @@
+"""A progress bar over microbatches, driven from inside the compiled loop.
+
+With ``progress=True`` the loop body calls back to the host once per microbatch
+(``jax.debug.callback``), with the microbatch's index and the number that will run. The
+host prints a bar to standard error: redrawn in place on a terminal, and one line per
+``STEP_PERCENT`` percent when the output is a file or a pipe (a log). Each process prints
+its own bar. With ``progress=False`` the compiled program holds no callback at all.
+
+No dependency: a bar is a few lines, and tqdm would add a runtime dependency for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+
+STEP_PERCENT = 10
+"""How often a bar written to a file or a pipe prints a line."""
+REDRAW_SECONDS = 0.1
+"""How often a bar on a terminal is redrawn, at most."""
+WIDTH = 30
+
+_lock = threading.Lock()
+_last: dict[str, tuple[int, float]] = {}
+
+
+def tick(name: str, index: Any, total: Any) -> None:
+    """Reports, from inside the loop, that microbatch ``index`` of ``total`` has run."""
+    jax.debug.callback(functools.partial(_report, name), index, total)
+
+
+def _report(name: str, index: Any, total: Any) -> None:
+    done, total = int(index) + 1, int(total)
+    stream = sys.stderr
+    label = name if jax.process_count() == 1 else f"[process {jax.process_index()}] {name}"
+    with _lock:
+        if not _due(label, done, total, stream.isatty()):
+            return
+        line = _line(label, done, total)
+        if stream.isatty():
+            stream.write("\r" + line + ("\n" if done == total else ""))
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+
+def _due(label: str, done: int, total: int, terminal: bool) -> bool:
+    """Whether to print now: the first and last microbatch always, else rate-limited."""
+    now = time.monotonic()
+    previous, printed_at = _last.get(label, (0, 0.0))
+    if done == 1 or done == total or done < previous:
+        _last[label] = (done, now)
+        return True
+    if terminal:
+        due = now - printed_at >= REDRAW_SECONDS
+    else:
+        due = done * 100 // (total * STEP_PERCENT) > previous * 100 // (total * STEP_PERCENT)
+    if due:
+        _last[label] = (done, now)
+    return due
+
+
+def _line(label: str, done: int, total: int) -> str:
+    filled = WIDTH * done // max(total, 1)
+    bar = "#" * filled + "." * (WIDTH - filled)
+    return f"{label} [{bar}] {done}/{total} microbatches ({100 * done // max(total, 1)}%)"

@@ -1,0 +1,371 @@
+"""The planner compiles each candidate microbatch size and picks the largest that fits.
+
+Compiled memory and cost analyses are deterministic, so these are structural facts.
+"""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from microbatching import AccumulationType, Plan, PlanRow, _plan, microbatch, plan
+
+DTYPE = jnp.float32  # explicit, so that JAX_ENABLE_X64=1 does not double every size
+BATCH, FEATURES, HIDDEN = 64, 16, 64
+PARAMS = [jax.ShapeDtypeStruct(s, DTYPE) for s in [(FEATURES, HIDDEN), (HIDDEN, 1)]]
+X = jax.ShapeDtypeStruct((BATCH, FEATURES), DTYPE)
+Y = jax.ShapeDtypeStruct((BATCH, 1), DTYPE)
+HUGE = 2**40
+
+
+def _loss(params, x, y):
+    hidden = jnp.tanh(x @ params[0])
+    return jnp.mean((hidden @ params[1] - y) ** 2)
+
+
+def _build(m):
+    return jax.grad(microbatch(_loss, (1, 2), m, AccumulationType.MEAN))
+
+
+def _plan_mlp(**options):
+    options = {"batch_size": BATCH, "memory_budget": HUGE, **options}
+    return plan(_build, PARAMS, X, Y, **options)
+
+
+def _totals(candidates):
+    table = _plan_mlp(candidates=candidates).table
+    return {row.microbatch_size: row.total_bytes for row in table}
+
+
+def test_default_candidates_are_the_divisors_of_the_batch_size():
+    result = _plan_mlp()
+    assert [row.microbatch_size for row in result.table] == [1, 2, 4, 8, 16, 32, 64]
+    assert [row.num_microbatches for row in result.table] == [64, 32, 16, 8, 4, 2, 1]
+    assert result.microbatch_size == BATCH
+    assert (result.batch_size, result.memory_budget) == (BATCH, HUGE)
+    assert all(isinstance(row, PlanRow) and row.fits for row in result.table)
+
+
+def test_picks_the_largest_size_whose_total_fits():
+    totals = _totals([4, 32])
+    assert totals[4] < totals[32]
+    between = (totals[4] + totals[32]) // 2
+    assert _plan_mlp(candidates=[4, 32], memory_budget=between).microbatch_size == 4
+    assert _plan_mlp(candidates=[4, 32], memory_budget=totals[32]).microbatch_size == 32
+    rows = _plan_mlp(candidates=[4, 32], memory_budget=between).table
+    assert [(row.microbatch_size, row.fits) for row in rows] == [(4, True), (32, False)]
+
+
+def test_total_is_temp_plus_arguments_plus_outputs_minus_aliases():
+    compiled = jax.jit(_build(8)).lower(PARAMS, X, Y).compile()
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    (row,) = _plan_mlp(candidates=[8]).table
+    assert row.temp_bytes == memory.temp_size_in_bytes
+    assert row.total_bytes == (
+        memory.temp_size_in_bytes
+        + memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+
+
+def test_temp_bytes_grow_with_the_microbatch_size():
+    # Microbatch 1 and the whole batch (no loop left) are special cases for XLA; in
+    # between, one microbatch of activations is kept, so the temp grows with it.
+    table = _plan_mlp(candidates=[2, 4, 8, 16, 32]).table
+    temps = [row.temp_bytes for row in table]
+    assert temps == sorted(temps)
+    assert temps[-1] > temps[0]
+    (whole,) = _plan_mlp(candidates=[None]).table
+    assert whole.temp_bytes > temps[0]
+
+
+def test_flops_are_estimated_for_the_whole_batch():
+    # XLA counts a loop body once; the planner scales it by the number of microbatches,
+    # so every candidate does about the work of the whole batch without microbatching.
+    table = _plan_mlp(candidates=[2, 8, 32, None]).table
+    reference = table[-1].flops
+    assert reference is not None and reference > 0
+    for row in table:
+        assert row.flops is not None
+        np.testing.assert_allclose(row.flops, reference, rtol=0.25)
+
+
+def test_explicit_candidates_are_sorted_with_none_last():
+    result = _plan_mlp(candidates=(None, 16, 2))
+    assert [row.microbatch_size for row in result.table] == [2, 16, None]
+    assert result.table[-1].num_microbatches == 1
+    assert result.microbatch_size is None  # no microbatching counts as the largest
+
+
+def test_candidates_may_be_any_sequence():
+    result = _plan_mlp(candidates=range(4, 17, 12))
+    assert [row.microbatch_size for row in result.table] == [4, 16]
+
+
+def test_shape_dtype_structs_and_arrays_plan_alike():
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=p.shape), DTYPE) for p in PARAMS]
+    x, y = (jnp.asarray(rng.normal(size=a.shape), DTYPE) for a in (X, Y))
+    options = {"batch_size": BATCH, "candidates": [4, 16], "memory_budget": HUGE}
+    from_arrays = plan(_build, params, x, y, **options)
+    assert from_arrays.table == _plan_mlp(candidates=[4, 16]).table
+
+
+def test_keyword_example_arguments():
+    def build(m):
+        return microbatch(lambda w, *, x: jnp.sum(jnp.tanh(x @ w)), (), m, argnames="x")
+
+    result = plan(build, PARAMS[0], x=X, batch_size=BATCH, candidates=[8, 64], memory_budget=HUGE)
+    assert result.microbatch_size == BATCH
+
+
+def test_batch_size_is_inferred_when_the_arguments_agree():
+    result = plan(lambda m: microbatch(jnp.sum, 0, m), X, memory_budget=HUGE)
+    assert result.batch_size == BATCH
+    assert [row.microbatch_size for row in result.table] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_sharded_arguments_are_planned_per_device():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = NamedSharding(mesh, P("data"))
+    x = jax.ShapeDtypeStruct(X.shape, DTYPE, sharding=sharded)
+    y = jax.ShapeDtypeStruct(Y.shape, DTYPE, sharding=sharded)
+    replicated = [
+        jax.ShapeDtypeStruct(p.shape, DTYPE, sharding=NamedSharding(mesh, P())) for p in PARAMS
+    ]
+    (row,) = plan(
+        _build, replicated, x, y, batch_size=BATCH, candidates=[8], memory_budget=HUGE
+    ).table
+    assert row.total_bytes < _totals([8])[8]
+
+
+def test_plans_are_cached_per_build_shapes_and_candidate():
+    calls = []
+
+    def build(m):
+        calls.append(m)
+        return _build(m)
+
+    def plan_with(x, y, batch_size=BATCH, candidates=(4, 16), memory_budget=HUGE):
+        return plan(
+            build,
+            PARAMS,
+            x,
+            y,
+            batch_size=batch_size,
+            candidates=list(candidates),
+            memory_budget=memory_budget,
+        )
+
+    first = plan_with(X, Y)
+    assert calls == [4, 16]
+    assert plan_with(X, Y) == first
+    plan_with(X, Y, memory_budget=first.table[0].total_bytes)  # another budget
+    plan_with(X, Y, candidates=(4, 8))  # one new candidate
+    assert calls == [4, 16, 8]
+    x, y = (jax.ShapeDtypeStruct((2 * BATCH, *a.shape[1:]), DTYPE) for a in (X, Y))
+    plan_with(x, y, batch_size=2 * BATCH)
+    assert calls == [4, 16, 8, 4, 16]  # new shapes compile again
+
+
+def test_the_cache_does_not_keep_build_alive():
+    def build(m):
+        return _build(m)
+
+    plan(build, PARAMS, X, Y, batch_size=BATCH, candidates=[4], memory_budget=HUGE)
+    ref = weakref.ref(build)
+    del build
+    gc.collect()
+    assert ref() is None
+
+
+def test_str_renders_every_candidate_and_marks_the_chosen_one():
+    totals = _totals([4, 16, 32])
+    result = _plan_mlp(candidates=[4, 16, 32], memory_budget=totals[16])
+    text = str(result)
+    lines = text.splitlines()
+    assert (
+        lines[0]
+        == f"Plan for batch_size={BATCH} within memory_budget={_plan._bytes(totals[16])} per device:"
+    )
+    assert lines[1].split() == ["microbatch_size", "microbatches", "temp", "total", "flops", "fits"]
+    rows = {line.lstrip("* ").split()[0]: line for line in lines[2:5]}
+    assert set(rows) == {"4", "16", "32"}
+    assert rows["16"].startswith("*") and rows["16"].endswith("yes")
+    assert not rows["4"].startswith("*") and rows["32"].endswith("no")
+    assert len({len(line) for line in lines[1:5]}) == 1  # aligned
+    assert "total = temp + arguments + outputs - aliases" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (2**30, "1.0 GiB")],
+)
+def test_sizes_are_human_readable(n, text):
+    assert _plan._bytes(n) == text
+
+
+def test_nothing_fits():
+    totals = _totals([4, 16])
+    smallest = min(totals.values())
+    with pytest.raises(
+        ValueError,
+        match=r"No candidate microbatch size fits memory_budget=100 \(100 B\): the smallest total is \d+ bytes \(.*\), with microbatch_size=4\. Raise memory_budget, try smaller candidates=, or shard the arguments over more devices\.\nPlan for batch_size=64",
+    ) as info:
+        _plan_mlp(candidates=[4, 16, None], memory_budget=100)
+    assert f"{smallest} bytes" in str(info.value)
+    assert "nothing fits." in str(info.value)
+    assert "*" not in str(info.value)
+
+
+def test_without_a_budget_a_cpu_reports_no_limit():
+    with pytest.raises(
+        ValueError,
+        match=r"memory_budget is None, but device cpu:0 reports no memory limit \(memory_stats\(\) has no bytes_limit, as on CPU\); pass memory_budget= in bytes, e.g. memory_budget=8 \* 2\*\*30 for 8 GiB\.",
+    ):
+        plan(_build, PARAMS, X, Y, batch_size=BATCH)
+
+
+class _Device:
+    """A device that reports a memory limit, as accelerators do."""
+
+    id, platform = 0, "fake"
+
+    def memory_stats(self):
+        return {"bytes_limit": 10_000_000}
+
+
+@pytest.mark.parametrize(
+    ("margin", "budget"), [(0.9, 9_000_000), (1, 10_000_000), (0.5, 5_000_000)]
+)
+def test_without_a_budget_the_device_limit_times_the_safety_margin(monkeypatch, margin, budget):
+    monkeypatch.setattr(_plan, "_devices", lambda specs: [_Device()])
+    result = plan(_build, PARAMS, X, Y, batch_size=BATCH, candidates=[8], safety_margin=margin)
+    assert result.memory_budget == budget
+
+
+def _example_error(**options):
+    return plan(_build, PARAMS, X, Y, **{"batch_size": BATCH, "memory_budget": HUGE, **options})
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"candidates": 8},
+            TypeError,
+            r"candidates must be a non-empty sequence of microbatch sizes \(positive ints, or None for no microbatching\), got candidates=8; pass e.g. candidates=\[8, 16, 32\], or leave it None to try every divisor of the batch size\.",
+        ),
+        (
+            {"candidates": []},
+            TypeError,
+            r"candidates must be a non-empty sequence .*got candidates=\[\]",
+        ),
+        (
+            {"candidates": [4, 2.0]},
+            TypeError,
+            r"candidates\[1\] must be a positive int or None, got 2.0 of type float; pass microbatch sizes such as 8\.",
+        ),
+        (
+            {"candidates": [4, 48]},
+            ValueError,
+            r"candidates\[1\]=48 does not divide batch_size=64; a microbatch size must, so choose among \[1, 2, 4, 8, 16, 32, 64\]\.",
+        ),
+        ({"candidates": [0]}, ValueError, r"candidates\[0\]=0 does not divide batch_size=64"),
+        (
+            {"candidates": [4, None, 4]},
+            ValueError,
+            r"candidates must not repeat a size, got candidates=\[4, None, 4\]\.",
+        ),
+        (
+            {"batch_size": 64.0},
+            TypeError,
+            r"batch_size must be a positive int or None, got batch_size=64.0; pass the size of the batch axis, e.g. batch_size=256\.",
+        ),
+        (
+            {"batch_size": 0},
+            ValueError,
+            r"batch_size must be a positive int, got batch_size=0; pass the size of the batch axis",
+        ),
+        (
+            {"memory_budget": "8GB"},
+            TypeError,
+            r"memory_budget must be a number, got memory_budget='8GB'; pass e.g. memory_budget=8 \* 2\*\*30 for 8 GiB\.",
+        ),
+        (
+            {"memory_budget": 0},
+            ValueError,
+            r"memory_budget must be at least 1 byte and finite, got memory_budget=0; pass e.g. memory_budget=8 \* 2\*\*30 for 8 GiB\.",
+        ),
+        (
+            {"memory_budget": float("inf")},
+            ValueError,
+            r"memory_budget must be at least 1 byte and finite, got memory_budget=inf",
+        ),
+        (
+            {"safety_margin": True},
+            TypeError,
+            r"safety_margin must be a number, got safety_margin=True; pass e.g. safety_margin=0.9\.",
+        ),
+        (
+            {"safety_margin": 1.5},
+            ValueError,
+            r"safety_margin must be in \(0, 1\], got safety_margin=1.5; pass e.g. 0.9 to plan for 90% of the device's memory\.",
+        ),
+    ],
+)
+def test_bad_options(options, error, message):
+    with pytest.raises(error, match=message):
+        _example_error(**options)
+
+
+def test_ambiguous_batch_size():
+    with pytest.raises(
+        ValueError,
+        match=r"plan cannot tell the batch size: it is the leading-axis size shared by the array arguments, and they have leading sizes \[16, 64\] \(args\[0\]\[0\] of shape \(16, 64\), args\[0\]\[1\] of shape \(64, 1\), args\[1\] of shape \(64, 16\), args\[2\] of shape \(64, 1\)\); pass batch_size=, the size of the axis that build's function splits\.",
+    ):
+        plan(_build, PARAMS, X, Y, memory_budget=HUGE)
+
+
+def test_build_must_be_callable():
+    with pytest.raises(TypeError, match=r"build must be callable, got build=8; pass a function\."):
+        plan(8, X, memory_budget=HUGE)  # type: ignore[arg-type]
+
+
+def test_build_must_return_a_function():
+    with pytest.raises(
+        TypeError,
+        match=r"build must return the function to run, but build\(1\) returned 1; return e.g. microbatch\(loss, 1, m\)\.",
+    ):
+        plan(lambda m: m, X, memory_budget=HUGE, candidates=[1])  # type: ignore[arg-type]
+
+
+def test_example_arguments_must_be_arrays():
+    with pytest.raises(
+        TypeError,
+        match=r"plan's example arguments must be arrays, jax.ShapeDtypeStruct or scalars, got args\[1\]\['mode'\]='fast'; pass other values to the function through build \(a closure or functools.partial\)\.",
+    ):
+        plan(_build, X, {"mode": "fast"}, memory_budget=HUGE)
+
+
+def test_compile_errors_say_which_candidate_failed():
+    def build(m):
+        return microbatch(lambda x: x @ x, 0, m)  # (m, 16) @ (m, 16) only works for m=16
+
+    with pytest.raises(TypeError) as info:
+        plan(build, X, memory_budget=HUGE, candidates=[8])
+    assert "(raised by plan while compiling build(8))" in info.value.__notes__
+
+
+def test_plan_is_frozen():
+    result = _plan_mlp(candidates=[8])
+    assert isinstance(result, Plan)
+    with pytest.raises(AttributeError):
+        result.microbatch_size = 4  # type: ignore[misc]

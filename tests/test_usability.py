@@ -1,0 +1,147 @@
+"""Progress inside jit, cached eager calls, hints for framework errors, the package."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import microbatching
+from microbatching import micro_grad, micro_vmap, microbatch
+
+from .strategies import assert_close, random_array
+
+X = random_array(0, (40, 3), jnp.float32)
+W = random_array(1, (3, 2), jnp.float32)
+
+
+def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _lines(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: microbatch(jnp.sum, 0, 4, progress=p),
+        lambda p: micro_vmap(jnp.sin, microbatch_size=4, progress=p),
+        lambda p: micro_grad(loss, microbatch_size=4, progress=p),
+    ],
+)
+def test_progress_off_leaves_no_callback_in_the_program(make):
+    fun_off, fun_on = make(False), make(True)
+    args = (W, X) if fun_off.__name__ == "loss" else (X,)
+    assert "callback" not in jax.jit(fun_off).lower(*args).as_text()
+    assert "callback" in jax.jit(fun_on).lower(*args).as_text()
+
+
+def test_progress_in_a_log_prints_a_line_per_ten_percent(capsys):
+    grads, _ = jax.jit(micro_grad(loss, microbatch_size=2, progress=True))(W, X)
+    jax.block_until_ready(grads)
+    lines = _lines(capsys.readouterr().err, "micro_grad(loss)")
+    done = [int(re.search(r"\] (\d+)/20 microbatches", line).group(1)) for line in lines]  # pyright: ignore[reportOptionalMemberAccess]
+    assert done == [1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    assert lines[-1].endswith("[##############################] 20/20 microbatches (100%)")
+
+
+def test_progress_counts_a_traced_num_real_microbatches(capsys):
+    def run(x, count):
+        return microbatch(jnp.sum, 0, 4, progress=True, num_real_microbatches=count)(x)
+
+    jax.block_until_ready(jax.jit(run)(X, jnp.int32(3)))
+    lines = _lines(capsys.readouterr().err, "microbatch(sum)")
+    assert lines[-1].endswith("3/3 microbatches (100%)") and len(lines) == 3
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_progress_on_a_mesh_is_one_bar(capsys, axis_type):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    fun = micro_vmap(
+        jnp.sin, microbatch_size=8, accumulator=microbatching.AccumulationType.SUM, progress=True
+    )
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((64, 2)), NamedSharding(mesh, P("data")))
+        jax.block_until_ready(jax.jit(fun)(x))
+    lines = _lines(capsys.readouterr().err, "micro_vmap(sin)")
+    assert [line.split("] ")[1].split(" ")[0] for line in lines] == [f"{i}/8" for i in range(1, 9)]
+
+
+def test_second_eager_call_does_not_trace_again():
+    traces = []
+
+    def fun(x, scale):
+        traces.append(scale)
+        return jnp.sum(x) * scale
+
+    wrapped = microbatch(fun, 0, 4)
+    first, second = wrapped(X, 2.0), wrapped(X * 2, 2.0)
+    assert_close(first, jnp.sum(X) * 2)
+    assert_close(second, jnp.sum(X) * 4)
+    assert traces == [2.0]
+    wrapped(X, 3.0)  # a new static value: traced again
+    assert traces == [2.0, 3.0]
+
+
+def test_eager_calls_keep_python_control_flow_on_static_arguments():
+    def fun(x, mode):
+        return jnp.sum(x) if mode == "sum" else jnp.max(x)
+
+    wrapped = micro_vmap(
+        fun, (0, None), microbatch_size=4, accumulator=microbatching.AccumulationType.SUM
+    )
+    assert_close(wrapped(X, "sum"), jnp.sum(X))
+    unhashable = microbatch(lambda x, opts: jnp.sum(x) * opts["k"], 0, 4)
+    assert_close(unhashable(X, {"k": [2.0][0]}), jnp.sum(X) * 2)
+
+
+def test_non_array_leaf_in_a_differentiated_argument_gets_a_hint():
+    def with_function(params, x):
+        return jnp.sum(params["act"](x @ params["w"]))
+
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad differentiates `params` \(argnums=0\), but its leaf `params\['act'\]` is <.*> of type \w+, not a float array. Split the non-array parts out.*eqx.partition",
+    ):
+        micro_grad(with_function, microbatch_size=4)({"act": jax.nn.relu, "w": W}, X)
+
+
+def test_equinox_model_with_activation_gets_the_partition_hint():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
+
+    def model_loss(m, x):
+        return jnp.sum(jax.vmap(m)(x))
+
+    with pytest.raises(TypeError, match=r"leaf `model\.activation` .* eqx\.partition"):
+        micro_grad(lambda model, x: model_loss(model, x), microbatch_size=4)(model, X)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    grads, _ = micro_grad(lambda p, x: model_loss(eqx.combine(p, static), x), microbatch_size=4)(
+        params, X
+    )
+    assert_close(grads, jax.grad(lambda p: model_loss(eqx.combine(p, static), X))(params), terms=10)
+
+
+def test_nnx_state_mutated_inside_the_loop_gets_a_hint():
+    nnx = pytest.importorskip("flax.nnx")
+    rngs = nnx.Rngs(0)
+    dropout = nnx.Dropout(0.5, rngs=rngs)
+    with pytest.raises(Exception, match="different trace level") as info:
+        microbatch(lambda x: jnp.sum(dropout(x)), 0, 4)(X)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("split the module with `graphdef, state = nnx.split(model)`" in n for n in notes)
+
+
+def test_version_matches_the_package_metadata():
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert microbatching.__version__ == pyproject["project"]["version"]
+    assert (
+        f"## {microbatching.__version__}"
+        in (Path(__file__).parents[1] / "CHANGELOG.md").read_text()
+    )
