@@ -415,3 +415,51 @@ def test_running_mean_does_not_overflow(values, dtype, want, accumulation_dtype)
         assert float(got) == want and float(mean) == want
     else:
         assert abs(float(got)) <= 1e-3 * float(np.max(np.abs(values)))
+
+
+def test_micro_vmap_keyword_past_the_in_axes_is_mapped_by_the_vmap_rule():
+    def scaled(x, s=2.0):
+        return x * s
+
+    got = micro_vmap(scaled, (0,), microbatch_size=4)(A, s=B)
+    assert_close(got, jax.vmap(scaled)(A, s=B))
+
+
+def test_wrapped_functions_keep_the_signature_of_fun():
+    import inspect
+
+    for wrapped in [microbatch(loss, 1, 2), micro_vmap(loss, (None, 0)), micro_grad(loss)]:
+        assert str(inspect.signature(wrapped)) == "(params, x)"
+    nested = micro_grad(microbatch(loss, 1, 1), batch_argnums=1, microbatch_size=4)
+    assert_close(nested(W, x=A)[0], micro_grad(loss, microbatch_size=4)(W, A)[0], terms=8)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (
+            lambda: microbatch(add, 0, 2, accumulator=None),
+            TypeError,
+            "accumulator must be an AccumulationType, an Accumulator or a pytree of them, got accumulator=None",
+        ),
+        (
+            lambda: microbatch(add, 0, 2, in_axes=None),
+            ValueError,
+            "in_axes=None gives the batch arguments no batch axis",
+        ),
+        (
+            lambda: microbatch(add, (1, -1), 2),
+            ValueError,
+            r"argnums=\(1, -1\) names position 1 twice",
+        ),
+    ],
+)
+def test_more_wrap_time_checks(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.skipif(jax.config.read("jax_enable_x64"), reason="float64 is allowed under x64")
+def test_float64_accumulation_needs_x64():
+    with pytest.raises(ValueError, match="accumulation_dtype=float64 needs 64-bit JAX"):
+        microbatch(add, 0, 2, accumulation_dtype=jnp.float64)

@@ -401,3 +401,89 @@ def test_batch_mesh_axes_errors():
         micro_vmap(jnp.sin, microbatch_size=4, accumulator=SUM, batch_mesh_axes="data")(
             jnp.ones((32, 2))
         )
+
+
+# --- found by review: each test is the repro of a bug that was fixed --------------------
+
+
+def test_differentiating_a_batch_argument_gives_the_per_example_sum():
+    loss = lambda p, x: jnp.sum(jnp.sin(x @ p))  # noqa: E731
+    p, x = jnp.ones(3), random_array(0, (8, 3), jnp.float32)
+    want = jnp.sum(jax.vmap(jax.grad(loss, (0, 1)), (None, 0))(p, x[:, None])[1], 0)
+    for size in [2, 4, 8]:
+        grads, _ = micro_grad(loss, argnums=(0, 1), microbatch_size=size)(p, x)
+        assert grads[1].shape == (1, 3)
+        assert_close(grads[1], want, terms=8)
+
+
+def test_grad_with_a_traced_count_keeps_one_microbatch_of_memory():
+    w = jnp.ones((256, 256)) / 256
+
+    def loss(w, x, k):
+        return microbatch(lambda w, x: jnp.sum(jnp.tanh(x @ w)), 1, 128, num_real_microbatches=k)(
+            w, x
+        )
+
+    temps = [_temp(jax.grad(loss), w, jnp.ones((rows, 256)), jnp.int32(3)) for rows in (1024, 4096)]
+    assert temps[1] <= 1.2 * temps[0]
+
+
+def test_derivatives_of_clipped_gradients_match_clipping_in_transform_fn():
+    loss = lambda p, x: jnp.sum(jnp.sin(x @ p))  # noqa: E731
+    p, x = jnp.ones(3), random_array(0, (8, 3), jnp.float32)
+    fast = lambda p: micro_grad(loss, microbatch_size=2, l2_clip_norm=0.5)(p, x)[0]  # noqa: E731
+    slow = lambda p: micro_grad(loss, microbatch_size=2, transform_fn=clipper(0.5))(p, x)[0]  # noqa: E731
+    tangent = jnp.ones(3)
+    assert_close(jax.jvp(fast, (p,), (tangent,)), jax.jvp(slow, (p,), (tangent,)), terms=8)
+    assert_close(jax.jacrev(fast)(p), jax.jacrev(slow)(p), terms=8)
+
+
+def test_a_per_example_loss_that_is_not_a_scalar_is_an_error():
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad needs fun to return a scalar loss per example, but it returned shape \(1,\)",
+    ):
+        micro_grad(lambda p, x: p * x[0], microbatch_size=2)(jnp.ones(1), jnp.ones((4, 1)))
+
+
+def test_clipping_complex_parameters_uses_their_modulus():
+    loss = lambda p, x: jnp.real(jnp.sum(p * x)) + jnp.imag(jnp.sum(p * x)) ** 2  # noqa: E731
+    p = jnp.asarray([1 + 1j, 2 - 1j], jnp.complex64)
+    real, imag = random_array(0, (6, 2), jnp.float32), random_array(1, (6, 2), jnp.float32)
+    x = jnp.asarray(real + 1j * imag)
+    common = {"microbatch_size": 3, "keep_batch_dim": False}
+    fast, _ = micro_grad(loss, l2_clip_norm=0.7, **common)(p, x)
+    per_example = jax.vmap(jax.grad(loss), (None, 0))(p, x)
+    norms = jnp.sqrt(jnp.sum(jnp.abs(per_example) ** 2, axis=1))
+    want = jnp.sum(per_example * jnp.minimum(1.0, 0.7 / norms)[:, None], 0)
+    assert_close(fast, want, terms=6)
+
+
+def test_clipping_with_a_python_scalar_in_the_parameters():
+    loss = lambda p, x: jnp.sum(x * p["w"]) * p["s"]  # noqa: E731
+    p, x = {"w": jnp.ones(1), "s": 2.0}, jnp.ones((4, 1))
+    common = {"microbatch_size": 2, "keep_batch_dim": False}
+    grads, _ = micro_grad(loss, l2_clip_norm=100.0, metrics_fn=lambda g: g["s"], **common)(p, x)
+    assert_close(grads["w"], jnp.full(1, 8.0))
+
+
+def test_keep_batch_dim_expands_a_batch_argument_passed_by_keyword():
+    shapes = []
+
+    def loss(p, x, rng=None, w=None):
+        shapes.append(jnp.shape(w))
+        return jnp.sum(p[None] * x * w)
+
+    grad = micro_grad(loss, batch_argnums=(1, 3), microbatch_size=2)
+    p, x, w = jnp.ones(2), jnp.ones((4, 2)), jnp.ones((4, 2))
+    assert_close(grad(p, x, None, w)[0], grad(p, x, w=w)[0])
+    assert shapes[0] == shapes[-1] == (1, 2)
+
+
+@pytest.mark.parametrize("kind", [SUM, MEAN])
+def test_empty_batch_without_microbatching(kind):
+    loss = lambda p, x: jnp.sum(p * x)  # noqa: E731
+    common = {"accumulator": kind, "l2_clip_norm": 1.0, "keep_batch_dim": False}
+    grads, aux = micro_grad(loss, microbatch_size=None, **common)(jnp.ones(2), jnp.ones((0, 2)))
+    assert aux.values.shape == (0,)
+    assert bool(jnp.all(grads == 0)) if kind is SUM else bool(jnp.all(jnp.isnan(grads)))

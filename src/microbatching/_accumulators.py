@@ -266,6 +266,12 @@ def ensure_tree(accumulator: Any) -> Any:
     Returns the tree with optax's leaves replaced by ours.
     """
 
+    if not jax.tree.leaves(accumulator, is_leaf=_is_spec):
+        raise TypeError(
+            f"accumulator must be an AccumulationType, an Accumulator or a pytree of them, "
+            f"got {accumulator=}; e.g. accumulator=AccumulationType.SUM."
+        )
+
     def ensure(leaf: Any) -> Any:
         if isinstance(leaf, Accumulator | AccumulationType):
             return leaf
@@ -329,10 +335,11 @@ def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
     """A microbatch's aggregate from the sum of its rows: divided by ``rows`` for means."""
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
     parts = treedef.flatten_up_to(sums)
+    factor = 1 / rows if rows else float("nan")  # the mean of no rows
     scaled = [
         part
         if spec is AccumulationType.SUM
-        else jax.tree.map(lambda x: _scale(x, 1 / rows), part, is_leaf=is_open)
+        else jax.tree.map(lambda x: _scale(x, factor), part, is_leaf=is_open)
         for spec, part in zip(specs, parts, strict=True)
     ]
     return treedef.unflatten(scaled)

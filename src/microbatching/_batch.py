@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _signature
 from ._signature import TOO_MANY, BatchAxes
 from ._typing import AxisSpec, Count
 
@@ -82,14 +81,14 @@ def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any
             f"({binding.set_by})."
         )
     given = {*range(len(args)), *kwargs}
-    given |= {_signature.position(binding.signature, k) for k in kwargs}
+    given |= {binding.position(k) for k in kwargs}
     if binding.signature is not None:
         given |= set(binding.signature.positional[: len(args)])
     for where in binding.required:
         if where not in given:
             raise TypeError(_missing(binding, where, args, kwargs))
     for name, value in kwargs.items():
-        if name not in binding.names and _signature.position(binding.signature, name) is None:
+        if name not in binding.names and binding.position(name) is None:
             _check_mapped_keyword(binding, name, value)
 
 

@@ -152,6 +152,11 @@ def ensure_accumulation_dtype(dtype: Any) -> np.dtype | None:
             f"accumulation_dtype must be a floating dtype, got accumulation_dtype={dtype!r}; "
             "pass e.g. jnp.float32, or None for float32 accumulation of narrower floats."
         )
+    if jax.dtypes.canonicalize_dtype(result) != result:
+        raise ValueError(
+            f"accumulation_dtype={result.name} needs 64-bit JAX; enable it with "
+            "jax.config.update('jax_enable_x64', True), or pass jnp.float32."
+        )
     return result
 
 

@@ -75,20 +75,38 @@ class Examples:
     has_aux: bool
     keep_batch_dim: bool
 
+    def expand(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """With ``keep_batch_dim``, each batch argument as a batch of one example.
+
+        Only ``batch_argnums`` are expanded, by position or by keyword, as optax does;
+        keyword-only and extra keyword arguments are mapped but not expanded.
+        """
+        if not self.keep_batch_dim:
+            return args, kwargs
+
+        def one(where: int | str, value: Any) -> Any:
+            position = self.axes.position(where)
+            if position is None or self.axes.spec(where) is None:
+                return value
+            return jax.tree.map(lambda x: x[None], value)
+
+        args = tuple(one(i, a) for i, a in enumerate(args))
+        return args, {k: one(k, v) for k, v in kwargs.items()}
+
     def loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``(value, aux)`` of one example (aux None without ``has_aux``)."""
-        if self.keep_batch_dim:
-            args = tuple(
-                a if self.axes.spec(i) is None else jax.tree.map(lambda x: x[None], a)
-                for i, a in enumerate(args)
-            )
+        args, kwargs = self.expand(args, kwargs)
+        return self._loss(*args, **kwargs)
+
+    def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out = self.fun(*args, **kwargs)
         return out if self.has_aux else (out, None)
 
     def check_differentiable(self, args: tuple[Any, ...]) -> None:
         """Raises a TypeError with a fix for a non-array leaf in a differentiated argument."""
-        nums = (self.argnums,) if isinstance(self.argnums, int) else self.argnums
-        for i in nums:
+        for i in self.nums():
             if i >= len(args):
                 continue
             name = self.axes.label(i)
@@ -105,14 +123,24 @@ class Examples:
                     )
 
     def value_and_grad(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], PyTree]:
-        return jax.value_and_grad(self.loss, self.argnums, has_aux=True)(*args, **kwargs)
+        """One example's ``((value, aux), gradient)``, with respect to the expanded
+        arguments (a batch argument in ``argnums`` gets a gradient of shape ``(1, ...)``)."""
+        args, kwargs = self.expand(args, kwargs)
+        return jax.value_and_grad(self._loss, self.argnums, has_aux=True)(*args, **kwargs)
+
+    def nums(self) -> tuple[int, ...]:
+        return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
 
 def clip_factors(grads: PyTree, bound: float) -> jax.Array:
     """``min(1, bound / ||g_b||)`` per example, for gradients stacked on axis 0."""
     leaves = jax.tree.leaves(grads)
+    if not leaves:
+        return jnp.ones(())
     rows = leaves[0].shape[0]
-    squares = sum(jnp.sum(jnp.reshape(_wide(g), (rows, -1)) ** 2, axis=1) for g in leaves)
+    if not rows:
+        return jnp.ones((0,))
+    squares = sum(jnp.sum(jnp.reshape(_squared(g), (rows, -1)), axis=1) for g in leaves)
     return jnp.minimum(1.0, bound / jnp.sqrt(squares))
 
 
@@ -162,11 +190,17 @@ def summed(
     def rows(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         measured, weights = None, None
         if clip is not None or metrics is not None:
+            # The factors depend on the parameters, but as values closed over by ``total``
+            # the gradient below holds them fixed; outer derivatives still see them.
             measured, weights = _in_chunks(statistics, example, args, kwargs)
-            weights = None if weights is None else jax.lax.stop_gradient(weights)
 
         def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
             values, aux = losses(*args, **kwargs)
+            if jnp.ndim(values) != 1:
+                raise TypeError(
+                    "micro_grad needs fun to return a scalar loss per example, but it returned "
+                    f"shape {jnp.shape(values)[1:]} for each; reduce it to a scalar in fun."
+                )
             weighted = values if weights is None else values * weights.astype(values.dtype)
             return jnp.sum(weighted), (values, aux)
 
@@ -229,11 +263,14 @@ def _in_chunks(
     """``fn`` of a microbatch, computed a chunk of rows at a time; results per row."""
     axes = example.axes
     rows = _first_batched(axes, args, kwargs).shape[0]
-    nums = (example.argnums,) if isinstance(example.argnums, int) else example.argnums
-    per_row = sum(x.size * x.dtype.itemsize for i in nums for x in jax.tree.leaves(args[i]))
+    per_row = sum(
+        np.size(x) * jnp.result_type(x).itemsize
+        for i in example.nums()
+        for x in jax.tree.leaves(args[i])
+    )
     most = max(1, CHUNK_BYTES // max(per_row, 1))
-    size = max(d for d in range(1, min(rows, most) + 1) if rows % d == 0)
-    if size == rows:
+    size = max([d for d in range(1, min(rows, most) + 1) if rows % d == 0], default=rows)
+    if size in (0, rows):
         return fn(*args, **kwargs)
 
     def split(value: Any) -> Any:
@@ -268,9 +305,11 @@ def _open(g: jax.Array, requested: Any, merge: str | None) -> Any:
 
 
 def _norm(tree: PyTree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(_wide(g) ** 2) for g in jax.tree.leaves(tree)))
+    return jnp.sqrt(sum((jnp.sum(_squared(g)) for g in jax.tree.leaves(tree)), jnp.zeros(())))
 
 
-def _wide(g: jax.Array) -> jax.Array:
-    """``g`` in at least float32, so that norms of narrow gradients do not overflow."""
-    return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+def _squared(g: jax.Array) -> jax.Array:
+    """``|g|**2`` in at least float32, so that norms of narrow gradients do not overflow."""
+    g = jnp.asarray(g)
+    magnitude = jnp.abs(g) if jnp.iscomplexobj(g) else g
+    return jnp.square(magnitude.astype(jnp.promote_types(magnitude.dtype, jnp.float32)))

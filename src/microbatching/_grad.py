@@ -119,7 +119,8 @@ def micro_grad(
         "micro_grad",
     )
     clip = _checks.ensure_clip_norm(l2_clip_norm)
-    if transform is identity and _accumulators.is_linear(accumulators):
+    batched_grad = any(axes.spec(i) is not None for i in example.nums())
+    if transform is identity and _accumulators.is_linear(accumulators) and not batched_grad:
         measure = None if metrics is no_metrics else metrics
         summed = _examples.summed(example, accumulators, clip, measure, settings)
         looped = _vmap.loop_over(summed, axes, settings)
@@ -128,7 +129,7 @@ def micro_grad(
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
 
     def checked(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        example.check_differentiable(_signature.to_positions(axes.signature, args, kwargs)[0])
+        example.check_differentiable(axes.to_positions(args, kwargs)[0])
         return looped(*args, **kwargs)
 
     return wraps(fun, checked, settings)

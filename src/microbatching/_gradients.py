@@ -14,7 +14,6 @@ inside each step, so the sum runs in the wider dtype.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,20 +24,32 @@ from ._accumulators import accumulation_dtype
 
 
 def step(
-    jaxpr: ClosedJaxpr, take: Callable[[Any], Sequence[Any]], requested: Any
+    jaxpr: ClosedJaxpr,
+    take: Callable[[Any], Sequence[Any]],
+    requested: Any,
+    bound: Any = None,
 ) -> Callable[[Any], list[Any]]:
     """``fun`` on microbatch ``index`` (read by ``take(index)``), rematerialised.
 
     ``requested`` is the ``accumulation_dtype``, applied to floating closed-over values.
+    With a traced ``bound``, microbatches at or past it skip ``fun`` and give zeros. The
+    skip sits inside the checkpoint: a ``lax.cond`` around it would make the backward pass
+    keep the checkpoint's inputs, the whole batch, once per microbatch.
     """
     consts = list(jaxpr.consts)
     widened = [_widen(c, requested) for c in consts]
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def run(index: Any, widened: list[Any]) -> list[Any]:
+    def compute(index: Any, widened: list[Any]) -> list[Any]:
         narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
         return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
 
+    def skipped(index: Any, widened: list[Any]) -> list[Any]:
+        return [jax.numpy.zeros(a.shape, a.dtype) for a in jaxpr.out_avals]
+
+    def bounded(index: Any, widened: list[Any]) -> list[Any]:
+        return jax.lax.cond(index < bound, compute, skipped, index, widened)
+
+    run = jax.checkpoint(compute if bound is None else bounded, prevent_cse=False)
     return lambda index: run(index, widened)
 
 

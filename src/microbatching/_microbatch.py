@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +143,8 @@ def wraps(fun: Callable[P, Any], wrapper: Function, settings: Settings) -> Calla
         wrapper = _eager.cached(wrapper)
     out = functools.wraps(fun, updated=())(wrapper)
     del out.__wrapped__
+    with contextlib.suppress(TypeError, ValueError):  # builtins may have none
+        out.__signature__ = inspect.signature(fun)  # pyright: ignore[reportAttributeAccessIssue]
     return out
 
 
@@ -215,29 +219,37 @@ def _run(
     def take(index: Any) -> list[Any]:
         return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
 
-    run = _gradients.step(jaxpr, take, requested)
+    bound = batch.bound
+    traced = not isinstance(bound, int)
+    try:  # skip fun inside the checkpoint; under shard_map the zeros may not type-check
+        run = _gradients.step(jaxpr, take, requested, bound if traced else None)
+        jax.eval_shape(run, 0)
+        inner = traced
+    except TypeError:
+        run, inner = _gradients.step(jaxpr, take, requested), False
 
-    def body(index: Any, carry: Any) -> Any:
-        with jax.named_scope(f"{batch.num_microbatches}_microbatches"):
-            carry = acc.update(carry, out_tree.unflatten(run(index)), index)
+    def fold(index: Any, carry: Any, out: Any) -> Any:
+        carry = acc.update(carry, out, index)
         if progress is not None:
             # The barrier makes the index available only once the carry is computed, so
             # the report comes after the microbatch's work.
             index, carry = jax.lax.optimization_barrier((index, carry))
-            _progress.tick(progress, index, batch.bound)
+            _progress.tick(progress, index, bound)
         return carry
 
-    bound = batch.bound
-    if isinstance(bound, int):
-        loop_body, trips = body, bound
-    else:
+    def body(index: Any, carry: Any) -> Any:
+        with jax.named_scope(f"{batch.num_microbatches}_microbatches"):
+            if not traced:
+                return fold(index, carry, out_tree.unflatten(run(index)))
+            if inner:
+                out = out_tree.unflatten(run(index))
+                return jax.lax.cond(index < bound, fold, lambda i, c, o: c, index, carry, out)
+            step = lambda i, c: fold(i, c, out_tree.unflatten(run(i)))  # noqa: E731
+            return jax.lax.cond(index < bound, step, lambda i, c: c, index, carry)
 
-        def loop_body(index: Any, carry: Any) -> Any:
-            return jax.lax.cond(index < bound, body, lambda _, c: c, index, carry)
-
-        trips = batch.num_microbatches
+    trips = bound if isinstance(bound, int) else batch.num_microbatches
     try:
-        carry = jax.lax.fori_loop(0, trips, loop_body, carry)
+        carry = jax.lax.fori_loop(0, trips, body, carry)
     except TypeError as err:
         shapes = jax.tree.map(lambda x: jax.typeof(x).str_short(), (out_shape, carry))
         raise TypeError(

@@ -102,10 +102,28 @@ class BatchAxes:
         """The axis spec of the argument passed at position or keyword ``where``."""
         if isinstance(where, str) and where in self.names:
             return self.names[where]
-        at = position(self.signature, where)
+        at = self.position(where)
         if at is None:
             return self.other_keywords
         return self.positions.get(at, self.rest)
+
+    def position(self, where: int | str) -> int | None:
+        """The parameter position of the argument at ``where``, if it binds to one.
+
+        A keyword past the entries of a sequence ``in_axes`` binds to none: it is mapped
+        by the ``jax.vmap`` rule, as it would be with ``jax.vmap``.
+        """
+        at = position(self.signature, where)
+        if isinstance(where, str) and self.rest is TOO_MANY and at not in self.positions:
+            return None
+        return at
+
+    def to_positions(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``to_positions``, up to the last parameter that ``in_axes`` gives an entry."""
+        limit = len(self.positions) if self.rest is TOO_MANY else None
+        return to_positions(self.signature, args, kwargs, limit)
 
     def label(self, where: int | str) -> str:
         return label(self.signature, where)
@@ -126,7 +144,10 @@ def label(signature: Signature | None, where: int | str) -> str:
 
 
 def to_positions(
-    signature: Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    signature: Signature | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    limit: int | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Moves keyword arguments that continue the positional ones into positions.
 
@@ -136,7 +157,8 @@ def to_positions(
     if signature is None or not kwargs:
         return args, kwargs
     positional, keywords = list(args), dict(kwargs)
-    while len(positional) < len(signature.positional):
+    end = len(signature.positional) if limit is None else min(limit, len(signature.positional))
+    while len(positional) < end:
         name = signature.positional[len(positional)]
         if name in signature.positional_only or name not in keywords:
             break
@@ -258,6 +280,11 @@ def _argnums(nums: tuple[int, ...], sig: Signature | None, name: str, what: str)
                 f"{what} contains {i}, out of range for {name}{sig.describe()} "
                 f"with {count} positional parameter(s); {fix}."
             )
+        if j in out:
+            raise ValueError(
+                f"{what}={nums!r} names position {j} twice (negative indices count from the "
+                f"end of {name}{sig.describe() if sig else ''}); name each argument once."
+            )
         out.append(j)
     return tuple(out)
 
@@ -274,7 +301,12 @@ def _check_argnames(names: tuple[str, ...], sig: Signature | None, fun_name: str
 
 
 def _in_axes_tuple(in_axes: Any, count: int, names: str) -> tuple[AxisSpec, ...]:
-    if _checks.is_int(in_axes) or in_axes is None:
+    if in_axes is None:
+        raise ValueError(
+            "in_axes=None gives the batch arguments no batch axis; pass the axis of each, "
+            "e.g. in_axes=0."
+        )
+    if _checks.is_int(in_axes):
         return (_checks.ensure_axis_spec(in_axes, "in_axes"),) * count
     axes = _checks.ensure_axes_sequence(in_axes, "batch argument")
     if len(axes) != count:

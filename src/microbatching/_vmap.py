@@ -115,7 +115,7 @@ def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> 
     inner = f"micro_vmap_size_{settings.size}"
 
     def called(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _signature.to_positions(axes.signature, args, kwargs)
+        args, kwargs = axes.to_positions(args, kwargs)
         with (
             jax.named_scope(outer),
             contextlib.nullcontext() if outer == inner else jax.named_scope(inner),
