@@ -471,7 +471,7 @@ def test_keep_batch_dim_expands_a_batch_argument_passed_by_keyword():
     shapes = []
 
     def loss(p, x, rng=None, w=None):
-        shapes.append(jnp.shape(w))
+        shapes.append(jnp.shape(jnp.asarray(w)))
         return jnp.sum(p[None] * x * w)
 
     grad = micro_grad(loss, batch_argnums=(1, 3), microbatch_size=2)
