@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-x64 demo bench lint format clean
+.PHONY: test test-x64 demo bench lint format clean docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,demo,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,demo,bench,docs,examples]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -17,12 +17,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pyright
 
-test: lint
+test: lint docs
 	$(BIN)/pytest
 	$(MAKE) --no-print-directory test-x64
 
 test-x64: $(STAMP)
 	JAX_ENABLE_X64=1 $(BIN)/pytest -q tests
+
+# The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 demo: $(STAMP)
 	$(BIN)/python examples/dp_sgd_digits.py
@@ -30,6 +34,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/accumulation.py
+	$(BIN)/python benchmarks/plots.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -1,0 +1,104 @@
+"""MkDocs hooks (``hooks:`` in mkdocs.yml) and a griffe extension for the API reference.
+
+* The plots that ``make bench`` writes to ``benchmarks/plots/*.png`` are not in the
+  repository. When they exist, they are copied into the site and shown on the benchmarks
+  page where it has the ``<!-- benchmark plots -->`` marker: the one-figure-per-workload
+  summaries (names without ``_vs_``) if there are any, else every PNG. When none exist,
+  the marker becomes a note saying how to make them.
+* A name in ``microbatching.__all__`` that the API page does not render with
+  ``::: microbatching.<name>`` is a warning, so ``mkdocs build --strict`` fails.
+* ``FenceDoctests`` (a griffe extension, ``extensions:`` of mkdocstrings in mkdocs.yml)
+  fences the bare ``>>>`` examples of the docstrings as ``pycon`` code blocks; Markdown
+  would otherwise read ``>>>`` as three nested quotes and ``[...]`` in an output as a link.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import griffe
+
+ROOT = Path(__file__).resolve().parent.parent
+PLOTS = ROOT / "benchmarks" / "plots"
+PLOTS_URI = "benchmarks/plots"
+MARKER = "<!-- benchmark plots -->"
+NO_PLOTS = (
+    '!!! note "No plots yet"\n'
+    "    `make bench` writes the plots to `benchmarks/plots/`; the next `make docs` shows"
+    " them here.\n"
+)
+log = logging.getLogger(f"mkdocs.hooks.{__name__}")
+
+
+def _plots() -> list[Path]:
+    """The PNGs to show: the per-workload summaries if there are any, else all."""
+    pngs = sorted(PLOTS.glob("*.png"))
+    summaries = [png for png in pngs if "_vs_" not in png.stem]
+    return summaries or pngs
+
+
+def on_files(files: Any, *, config: Any) -> Any:
+    """Adds the plots to the site's files, under ``benchmarks/plots/``."""
+    from mkdocs.structure.files import File
+
+    for png in _plots():
+        files.append(File.generated(config, f"{PLOTS_URI}/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> str:
+    """Puts the plots (or a note) at the marker; checks the API page's coverage."""
+    if page.file.src_uri == "api.md":
+        _check_api_coverage(markdown)
+    if MARKER not in markdown:
+        return markdown
+    plots = _plots()
+    images = "\n\n".join(f"![{png.stem}]({PLOTS_URI}/{png.name})" for png in plots)
+    return markdown.replace(MARKER, images if plots else NO_PLOTS)
+
+
+def _check_api_coverage(markdown: str) -> None:
+    """Warns about each public name that the API page does not render."""
+    import microbatching
+
+    shown = set(re.findall(r"^::: microbatching\.(\w+)", markdown, flags=re.MULTILINE))
+    for name in sorted(set(microbatching.__all__) - shown):
+        log.warning(
+            f"api.md does not document microbatching.{name}: add '::: microbatching.{name}'"
+        )
+
+
+class FenceDoctests(griffe.Extension):
+    """Wraps each run of doctest lines in a docstring in a ``pycon`` fence.
+
+    A run starts at an unindented ``>>>`` line outside a fence and takes the lines after it
+    up to a blank line: continuations and expected output.
+    """
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        """Rewrites ``obj``'s docstring, if it has one."""
+        if obj.docstring is not None:
+            obj.docstring.value = fence_doctests(obj.docstring.value)
+
+
+def fence_doctests(text: str) -> str:
+    """``text`` with every run of doctest lines fenced as ``pycon``."""
+    out: list[str] = []
+    in_fence = in_run = False
+    for line in text.splitlines():
+        if in_run and not line.strip():
+            out.append("```")
+            in_run = False
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        elif not (in_fence or in_run) and line.startswith(">>>"):
+            out += ["", "```pycon"] if out and out[-1].strip() else ["```pycon"]
+            in_run = True
+        if line.strip() or not in_run:
+            out.append(line)
+    if in_run:
+        out.append("```")
+    return "\n".join(out)
