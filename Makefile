@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-x64 demo bench lint format clean docs
 
 $(STAMP): pyproject.toml
+	@echo "Creating $(VENV) and installing the package with its extras (first run: a few minutes)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,demo,bench,docs,examples]'
