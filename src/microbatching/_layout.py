@@ -120,9 +120,8 @@ def chunk(x: jax.Array, axis: int, where: Shards) -> jax.Array:
         )
     shape = (*x.shape[:axis], where.count, x.shape[axis] // where.count, *x.shape[axis + 1 :])
     spec = [*[None] * axis, where.entry]
-    if where.explicit:
-        sharding = _sharding.explicit_sharding(x)
-        assert sharding is not None
+    sharding = _sharding.explicit_sharding(x) if where.explicit else None
+    if sharding is not None:
         full = _sharding.spec_of(sharding, x.ndim)
         return jnp.reshape(
             x,
@@ -131,19 +130,22 @@ def chunk(x: jax.Array, axis: int, where: Shards) -> jax.Array:
                 sharding, [*full[:axis], where.entry, None, *full[axis + 1 :]]
             ),
         )
+    if where.explicit:  # a leaf outside the mesh's types: nothing to state
+        return jnp.reshape(x, shape)
     return constrain(jnp.reshape(x, shape), where, spec)
 
 
 def unchunk(x: jax.Array, where: Shards) -> jax.Array:
     """The inverse of ``chunk`` for a result with the shards on axis 0."""
     shape = (x.shape[0] * x.shape[1], *x.shape[2:])
-    if where.explicit:
-        sharding = _sharding.explicit_sharding(x)
-        assert sharding is not None
+    sharding = _sharding.explicit_sharding(x) if where.explicit else None
+    if sharding is not None:
         full = _sharding.spec_of(sharding, x.ndim)
         return jnp.reshape(
             x, shape, out_sharding=_sharding.with_spec(sharding, [full[0], *full[2:]])
         )
+    if where.explicit:
+        return jnp.reshape(x, shape)
     return constrain(jnp.reshape(x, shape), where, [where.entry])
 
 
