@@ -54,11 +54,15 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 from compare import (  # benchmarks/ is on sys.path when run as a script
+    CLASSES,
+    INPUTS,
     LAX_MAP,
     OPTAX,
     OURS,
+    UNITS,
     WHOLE,
     Candidate,
+    _mlp_args,
     check_agreement,
     compile_candidate,
     time_call,
@@ -83,7 +87,6 @@ STYLE: dict[str, dict[str, Any]] = {
 # --- Workloads --------------------------------------------------------------------------
 
 FEATURES, HIDDEN = 256, 256
-INPUTS, UNITS, CLASSES = 64, 256, 10
 Params = dict[str, jax.Array]
 
 
@@ -106,19 +109,6 @@ def build_sum(batch: int, micro: int) -> tuple[dict[str, Fn], tuple[Any, ...]]:
         WHOLE: _layer_sum,
     }
     return fns, (x, w)
-
-
-def _mlp_args(batch: int) -> tuple[Params, jax.Array, jax.Array]:
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(2), 4)
-    params = {
-        "w1": jax.random.normal(k1, (INPUTS, UNITS), jnp.float32) / 8,
-        "b1": jnp.zeros((UNITS,), jnp.float32),
-        "w2": jax.random.normal(k2, (UNITS, CLASSES), jnp.float32) / 16,
-        "b2": jnp.zeros((CLASSES,), jnp.float32),
-    }
-    x = jax.random.normal(k3, (batch, INPUTS), jnp.float32)
-    y = jax.random.randint(k4, (batch,), 0, CLASSES)
-    return params, x, y
 
 
 def _loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
