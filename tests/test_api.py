@@ -45,6 +45,7 @@ def test_signatures_follow_the_spec():
         ("num_real_microbatches", p.KEYWORD_ONLY, None),
         ("accumulation_dtype", p.KEYWORD_ONLY, None),  # ours, beyond the spec
         ("progress", p.KEYWORD_ONLY, False),
+        ("allow_remainder", p.KEYWORD_ONLY, False),  # issue 8
     ]
     vmap_params = _parameters(mb.micro_vmap)
     assert [n for n, *_ in vmap_params] == [
@@ -58,6 +59,7 @@ def test_signatures_follow_the_spec():
         "accumulation_dtype",  # ours, beyond the spec, keyword-only
         "batch_mesh_axes",
         "progress",
+        "allow_remainder",
     ]
     assert vmap_params[6] == ("num_real_microbatches", p.KEYWORD_ONLY, None)
     assert [n for n, *_ in _parameters(mb.micro_grad)] == [
@@ -75,12 +77,15 @@ def test_signatures_follow_the_spec():
         "accumulation_dtype",
         "batch_mesh_axes",
         "progress",
+        "allow_remainder",
     ]
     extra = {"accumulation_dtype", "batch_mesh_axes", "l2_clip_norm"}
     for fun in (mb.microbatch, mb.micro_vmap, mb.micro_grad):
         for name, kind, default in _parameters(fun):
             if name in extra:
                 assert kind == p.KEYWORD_ONLY and default is None
+            if name in ("progress", "allow_remainder"):
+                assert kind == p.KEYWORD_ONLY and default is False
     assert _parameters(mb.reshape_batch_axis) == [
         ("tree", p.POSITIONAL_OR_KEYWORD, p.empty),
         ("microbatch_size", p.POSITIONAL_OR_KEYWORD, p.empty),
@@ -90,7 +95,8 @@ def test_signatures_follow_the_spec():
 
 def test_accumulation_type_values_follow_the_spec():
     values = {t.name: t.value for t in microbatching.AccumulationType}
-    assert values == {"MEAN": 1, "SUM": 2, "RUNNING_MEAN": 3, "CONCAT": 4}
+    # The spec's four, then ours (issue 8).
+    assert values == {"MEAN": 1, "SUM": 2, "RUNNING_MEAN": 3, "CONCAT": 4, "MAX": 5, "MIN": 6}
 
 
 def test_accumulator_is_a_frozen_dataclass_of_four_functions():

@@ -128,16 +128,33 @@ def test_unequal_batch_sizes_lists_every_argument():
 
 
 def test_batch_not_divisible():
-    with pytest.raises(
-        ValueError,
-        match=r"The batch size 8 is not divisible by microbatch_size=3; choose .* \[1, 2, 4, 8\]",
-    ):
+    expected = (
+        r"The batch size 8 is not divisible by microbatch_size=3\. Pass allow_remainder=True to "
+        r"run 2 microbatches of 3 rows and one of the last 2, or a microbatch_size that "
+        r"divides 8, such as one of \[2, 4\]\."
+    )
+    with pytest.raises(ValueError, match=expected):
         microbatch(pair, 0, 3)(X, 1.0)
 
 
 def test_batch_not_divisible_suggests_the_nearest_divisors():
-    with pytest.raises(ValueError, match=r"microbatch_size=48; choose .* \[8, 16, 32, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"microbatch_size=48\. .* such as one of \[8, 16, 32, 64\]"
+    ):
         microbatch(jnp.sum, 0, 48)(jnp.ones(4096))
+
+
+def test_batch_not_divisible_by_a_prime_size_says_so():
+    # Issue 8: 10007 is prime; the old advice listed [1, 10007].
+    expected = (
+        r"The batch size 10007 is not divisible by microbatch_size=64\. Pass allow_remainder=True "
+        r"to run 156 microbatches of 64 rows and one of the last 23, \(10007 is prime: no "
+        r"microbatch_size but 1 and 10007 divides it\)\. To keep one compiled shape for batches "
+        r"of varying size, pad them to a fixed size and pass example_weights that are 0 on the "
+        r"padding rows\."
+    )
+    with pytest.raises(ValueError, match=expected):
+        micro_vmap(jnp.sin, microbatch_size=64)(jnp.ones(10007))
 
 
 def test_accumulator_not_a_prefix_of_the_output():

@@ -59,6 +59,8 @@ def test_clipped_sum_matches_per_example_grad(seed, rows, data):
     reduce = {
         AccumulationType.SUM: lambda g: jnp.sum(g, 0),
         AccumulationType.CONCAT: lambda g: g,
+        AccumulationType.MAX: lambda g: jnp.max(g, 0),
+        AccumulationType.MIN: lambda g: jnp.min(g, 0),
     }.get(kind, lambda g: jnp.mean(g, 0))
     assert_close(grads, jax.tree.map(reduce, clipped), terms=rows)
     assert_close(aux.values, values)

@@ -18,7 +18,14 @@ REDUCE = {
     AccumulationType.MEAN: lambda y: jnp.mean(y, axis=0, dtype=y.dtype),
     AccumulationType.RUNNING_MEAN: lambda y: jnp.mean(y, axis=0, dtype=y.dtype),
     AccumulationType.CONCAT: lambda y: y,
+    AccumulationType.MAX: lambda y: jnp.max(y, axis=0, initial=_lowest(y.dtype)),
+    AccumulationType.MIN: lambda y: jnp.min(y, axis=0, initial=-_lowest(y.dtype) - 1),
 }
+
+
+def _lowest(dtype):
+    """What MAX gives for no rows; MIN gives its negation minus one (inf, or int max)."""
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
 
 
 def _per_example(x, w):
@@ -35,6 +42,8 @@ def test_matches_jax_vmap_for_every_accumulator(data, case):
         else [
             AccumulationType.SUM,
             AccumulationType.CONCAT,
+            AccumulationType.MAX,
+            AccumulationType.MIN,
         ]
     )
     kind = data.draw(st.sampled_from(kinds))

@@ -38,6 +38,12 @@ class AccumulationType(enum.Enum):
     when none ran (as in optax), NaN for an empty batch."""
     CONCAT = 4
     """The microbatch results joined along axis 0, in the original row order."""
+    MAX = 5
+    """The elementwise maximum of the results (for floats -inf, for integers their least
+    value, when there are none)."""
+    MIN = 6
+    """The elementwise minimum of the results (inf, or the integers' greatest value, when
+    there are none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +121,15 @@ def _reduction(
     wrapped again around them. ``kind`` names a reduction that needs floating results.
     """
 
+    extremum = how in _layout.EXTREMA
+
     def init(s: Any) -> Any:
         if is_open(s):
-            return Open(jax.lax.full_like(s.value, 0), s.dtype, s.merge)
+            fill = _layout.identity(how, s.value.dtype) if extremum else 0
+            return Open(jax.lax.full_like(s.value, fill), s.dtype, s.merge)
         _check_inexact(kind, s)
+        if extremum:  # exact in any dtype
+            return jax.lax.full_like(s, _layout.identity(how, s.dtype))
         wide = accumulation_dtype(s.dtype, requested)
         zeros = jax.lax.full_like(s, 0, wide)
         return zeros if wide == s.dtype else Open(zeros, s.dtype)
@@ -136,7 +147,8 @@ def _reduction(
 
     def aggregate(x: Any) -> Any:
         dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
-        return _layout.reduce_rows(x, how, accumulation_dtype(dtype, requested), dtype, mesh_axes)
+        wide = dtype if extremum else accumulation_dtype(dtype, requested)
+        return _layout.reduce_rows(x, how, wide, dtype, mesh_axes)
 
     return Accumulator(
         init=lambda tree: jax.tree.map(init, tree, is_leaf=is_open),
@@ -163,32 +175,69 @@ def sum_(requested: Any = None, mesh_axes: tuple[str, ...] | None = None) -> Acc
     return _reduction("sum", lambda c, x, i: c + x, lambda c: c, requested, None, mesh_axes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Weighting:
+    """How much each microbatch counts in MEAN and RUNNING_MEAN, when not all count alike.
+
+    Attributes:
+      per_microbatch: The weight of each microbatch: its rows, or the sum of its examples'
+        ``example_weights``.
+      total: The sum of ``per_microbatch``.
+      presummed: Whether a result arrives as the weighted sum over its rows (``micro_vmap``
+        and ``micro_grad``), or as ``fun``'s value on the microbatch, a mean over its rows
+        that counts ``per_microbatch[i]`` times (``microbatch``).
+    """
+
+    per_microbatch: jax.Array
+    total: jax.Array
+    presummed: bool
+
+    def scaled(self, x: jax.Array, i: Any) -> jax.Array:
+        """Result ``x`` of microbatch ``i`` as a weighted sum over its rows."""
+        return x if self.presummed else x * self.per_microbatch[i].astype(x.dtype)
+
+
 def mean(
-    num_microbatches: int, requested: Any = None, mesh_axes: tuple[str, ...] | None = None
+    num_microbatches: int,
+    requested: Any = None,
+    mesh_axes: tuple[str, ...] | None = None,
+    weighting: Weighting | None = None,
 ) -> Accumulator:
-    """Sums, then divides by ``num_microbatches`` (NaN when there are none)."""
-    return _reduction(
-        "mean",
-        lambda c, x, i: c + x,
-        lambda c: c / jnp.asarray(num_microbatches, c.dtype),
-        requested,
-        "MEAN",
-        mesh_axes,
-    )
+    """Sums, then divides by ``num_microbatches`` (NaN when there are none), or by the
+    total weight of a ``weighting``."""
+    if weighting is None:
+        step = lambda c, x, i: c + x  # noqa: E731
+        divisor = lambda dtype: jnp.asarray(num_microbatches, dtype)  # noqa: E731
+    else:
+        step = lambda c, x, i: c + weighting.scaled(x, i)  # noqa: E731
+        divisor = lambda dtype: weighting.total.astype(dtype)  # noqa: E731
+    return _reduction("mean", step, lambda c: c / divisor(c.dtype), requested, "MEAN", mesh_axes)
 
 
 def running_mean(
-    num_microbatches: int, requested: Any = None, mesh_axes: tuple[str, ...] | None = None
+    num_microbatches: int,
+    requested: Any = None,
+    mesh_axes: tuple[str, ...] | None = None,
+    weighting: Weighting | None = None,
 ) -> Accumulator:
     """The mean of the results so far: 0 until the first (and for an empty batch).
 
     The update ``c * (i / (i + 1)) + x / (i + 1)`` never forms ``x - c``, which
-    overflows when the two have opposite signs near the dtype's maximum.
+    overflows when the two have opposite signs near the dtype's maximum. With a
+    ``weighting``, ``i`` and ``1`` become the weight so far and the microbatch's weight;
+    microbatches of weight 0 leave the mean as it is.
     """
 
     def step(c: jax.Array, x: jax.Array, i: Any) -> jax.Array:
-        count = jnp.asarray(i + 1, c.dtype)
-        return jnp.where(i == 0, x, c * ((count - 1) / count) + x / count)
+        if weighting is None:
+            count = jnp.asarray(i + 1, c.dtype)
+            return jnp.where(i == 0, x, c * ((count - 1) / count) + x / count)
+        before = jnp.cumsum(weighting.per_microbatch)[i] - weighting.per_microbatch[i]
+        before = before.astype(c.dtype)
+        after = before + weighting.per_microbatch[i].astype(c.dtype)
+        safe = jnp.where(after == 0, 1, after)
+        moved = c * (before / safe) + weighting.scaled(x, i) / safe
+        return jnp.where(after == 0, c, moved)
 
     def finish(c: jax.Array) -> jax.Array:
         return c
@@ -196,15 +245,28 @@ def running_mean(
     return _reduction("mean", step, finish, requested, "RUNNING_MEAN", mesh_axes)
 
 
-def concat(num_microbatches: int) -> Accumulator:
+def extremum(how: str, mesh_axes: tuple[str, ...] | None = None) -> Accumulator:
+    """The elementwise maximum (``how="max"``) or minimum of the results."""
+    fold = jnp.maximum if how == "max" else jnp.minimum
+    return _reduction(how, lambda c, x, i: fold(c, x), lambda c: c, None, None, mesh_axes)
+
+
+def concat(num_microbatches: int, remainder: int = 0, microbatch_size: int = 0) -> Accumulator:
     """Interleaves the results back into batch order.
 
     Result ``i`` (``k`` rows) goes to column ``i`` of a ``(k, n, ...)`` buffer, whose
     row-major merge of the first two axes puts its row ``j`` at ``j * n + i``: the row
     microbatch ``i`` read from the batch. A scalar result is stored at index ``i``. The
     buffer is built from a zero result, so it keeps the result's sharding.
+
+    With a ``remainder``, the last column holds the last microbatch, the last rows of the
+    batch, zero-padded: the other columns merge as above and its rows follow them.
     """
     n = num_microbatches
+    full = n - (remainder > 0)
+    # The rows of the last result: ``remainder`` when results have a row per example,
+    # else what the last update brings (``microbatch`` calls fun on the remainder alone).
+    tail: dict[str, int] = {}
 
     def init(s: Any) -> jax.Array:
         if not s.shape:
@@ -213,13 +275,21 @@ def concat(num_microbatches: int) -> Accumulator:
         return jnp.broadcast_to(zeros, (s.shape[0], n, *s.shape[1:]))
 
     def update(carry: jax.Array, x: jax.Array, i: Any) -> jax.Array:
+        if remainder and x.ndim and x.shape[0] != carry.shape[0]:  # the remainder alone
+            tail["rows"] = x.shape[0]
+            padding = [(0, carry.shape[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+            x = jnp.pad(x, padding)
         axis = 1 if x.ndim else 0
         return jax.lax.dynamic_update_index_in_dim(carry, x.astype(carry.dtype), i, axis)
 
     def finalize(carry: jax.Array) -> jax.Array:
         if carry.ndim == 1:
             return carry
-        return carry.reshape(carry.shape[0] * carry.shape[1], *carry.shape[2:])
+        if not remainder:
+            return carry.reshape(carry.shape[0] * carry.shape[1], *carry.shape[2:])
+        head = carry[:, :full].reshape(carry.shape[0] * full, *carry.shape[2:])
+        rows = tail.get("rows", remainder * carry.shape[0] // max(microbatch_size, 1))
+        return jnp.concatenate([head, carry[:rows, full]])
 
     return Accumulator(
         init=lambda tree: jax.tree.map(init, tree),
@@ -229,16 +299,35 @@ def concat(num_microbatches: int) -> Accumulator:
     )
 
 
-def _builtin(
-    kind: AccumulationType, num_microbatches: int, requested: Any, mesh_axes: Any
-) -> Accumulator:
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a batch splits into microbatches, for the built-in accumulators.
+
+    Attributes:
+      num_microbatches: How many microbatches, the last one partial if ``remainder``.
+      remainder: The rows of the partial microbatch (0: none).
+      microbatch_size: The rows of the others.
+      weighting: The microbatches' weights where they differ (a remainder, or
+        ``example_weights``); None when every microbatch counts alike.
+    """
+
+    num_microbatches: int
+    remainder: int = 0
+    microbatch_size: int = 0
+    weighting: Weighting | None = None
+
+
+def _builtin(kind: AccumulationType, split: Split, requested: Any, mesh_axes: Any) -> Accumulator:
+    n, weighting = split.num_microbatches, split.weighting
     if kind is AccumulationType.SUM:
         return sum_(requested, mesh_axes)
     if kind is AccumulationType.MEAN:
-        return mean(num_microbatches, requested, mesh_axes)
+        return mean(n, requested, mesh_axes, weighting)
     if kind is AccumulationType.RUNNING_MEAN:
-        return running_mean(num_microbatches, requested, mesh_axes)
-    return concat(num_microbatches)
+        return running_mean(n, requested, mesh_axes, weighting)
+    if kind in (AccumulationType.MAX, AccumulationType.MIN):
+        return extremum(kind.name.lower(), mesh_axes)
+    return concat(n, split.remainder, split.microbatch_size)
 
 
 def _foreign(leaf: Any) -> Any:
@@ -288,18 +377,20 @@ def ensure_tree(accumulator: Any) -> Any:
 
 def combine(
     accumulator: Any,
-    num_microbatches: int,
+    layout: int | Split,
     requested: Any = None,
     mesh_axes: tuple[str, ...] | None = None,
 ) -> Accumulator:
     """One Accumulator for a whole output, from a pytree prefix of per-subtree specs.
 
-    ``requested`` is the ``accumulation_dtype`` of the built-in reductions; ``mesh_axes``
-    the mesh axes the rows are sharded over, where the types do not say (Auto meshes).
+    ``layout`` is the number of microbatches, or how the batch splits; ``requested`` the
+    ``accumulation_dtype`` of the built-in reductions; ``mesh_axes`` the mesh axes the
+    rows are sharded over, where the types do not say (Auto meshes).
     """
+    layout = layout if isinstance(layout, Split) else Split(layout)
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
     accs = [
-        s if isinstance(s, Accumulator) else _builtin(s, num_microbatches, requested, mesh_axes)
+        s if isinstance(s, Accumulator) else _builtin(s, layout, requested, mesh_axes)
         for s in specs
     ]
 
@@ -323,6 +414,69 @@ def combine(
         finalize=lambda carry: each(lambda a, c: a.finalize(c), carry),
         aggregate=lambda tree: each(lambda a, t: a.aggregate(t), tree),
     )
+
+
+def is_custom(accumulator: Any) -> bool:
+    """Whether any leaf is an ``Accumulator`` rather than a built-in."""
+    return any(
+        isinstance(leaf, Accumulator) for leaf in jax.tree.leaves(accumulator, is_leaf=_is_spec)
+    )
+
+
+def weighted_aggregate(
+    accumulator: Any,
+    tree: PyTree,
+    weights: jax.Array,
+    requested: Any = None,
+    mesh_axes: tuple[str, ...] | None = None,
+) -> PyTree:
+    """A microbatch's aggregate of per-example results under ``example_weights``.
+
+    SUM, MEAN and RUNNING_MEAN give ``sum(w_b * x_b)`` (the loop divides means by the
+    weights); MAX and MIN skip rows of weight 0; CONCAT gives the rows, zero where the
+    weight is 0. Rows of weight 0 are selected away, never multiplied, so a NaN in them
+    does not reach the result.
+    """
+    specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
+    try:
+        parts = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"The accumulator structure {treedef} is not a pytree prefix of fun's output "
+            f"structure {jax.tree.structure(tree)}; give one accumulator, or a tree that "
+            "matches the output down to where each accumulator applies."
+        ) from err
+    keep = weights if weights.dtype == jnp.bool_ else weights != 0
+
+    def one(kind: Any, x: jax.Array) -> Any:
+        mask = jnp.reshape(keep, (-1,) + (1,) * (jnp.ndim(x) - 1))
+        if kind is AccumulationType.CONCAT:
+            return jnp.where(mask, x, jnp.zeros((), x.dtype))
+        if kind in (AccumulationType.MAX, AccumulationType.MIN):
+            how = kind.name.lower()
+            rows = jnp.where(mask, x, jnp.asarray(_layout.identity(how, x.dtype), x.dtype))
+            return _layout.reduce_rows(rows, how, x.dtype, x.dtype, mesh_axes)
+        how = "sum" if kind is AccumulationType.SUM else "mean"
+        dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
+        if weights.dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = weights.dtype  # integers weighted by floats: a float sum
+        wide = accumulation_dtype(dtype, requested)
+        rows = x.astype(wide)
+        if weights.dtype != jnp.bool_:
+            rows = rows * jnp.reshape(weights, mask.shape).astype(wide)
+        rows = jnp.where(mask, rows, jnp.zeros((), wide))
+        return _layout.reduce_rows(rows, "sum", wide, dtype, mesh_axes)
+
+    out = []
+    for kind, part in zip(specs, parts, strict=True):
+        if isinstance(kind, Accumulator):
+            raise TypeError(
+                "example_weights needs built-in accumulators, but the accumulator tree has a "
+                "custom Accumulator, which cannot know the weights; weight the examples "
+                "inside fun, or use AccumulationType members for the outputs."
+            )
+        out.append(jax.tree.map(functools.partial(one, kind), part))
+    return treedef.unflatten(out)
 
 
 def is_linear(accumulator: Any) -> bool:

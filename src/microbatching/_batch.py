@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._signature import TOO_MANY, BatchAxes
+from ._signature import TOO_MANY, WEIGHTS, BatchAxes
 from ._typing import AxisSpec, Count
 
 
@@ -23,9 +23,11 @@ class Batch:
     """A call's arguments, flattened, with the batch axis of each leaf (None: not batched).
 
     Attributes:
-      num_microbatches: ``size // microbatch_size``.
+      num_microbatches: ``size // microbatch_size``, plus one for a remainder.
+      remainder: The rows of the last, partial microbatch (0 when the size divides).
       bound: How many microbatches run: ``num_microbatches``, or ``num_real_microbatches``
         (an int, or a traced int32 clipped to ``[0, num_microbatches]``).
+      weights: The index of the leaf that holds ``example_weights``, if the call has one.
     """
 
     treedef: Any
@@ -35,10 +37,17 @@ class Batch:
     size: int
     num_microbatches: int
     bound: int | jax.Array
+    remainder: int = 0
+    weights: int | None = None
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return tuple(args), kwargs
+
+    @property
+    def full(self) -> int:
+        """The number of microbatches of ``microbatch_size`` rows."""
+        return self.num_microbatches - (self.remainder > 0)
 
     @property
     def batched(self) -> list[int]:
@@ -52,6 +61,7 @@ def locate(
     kwargs: dict[str, Any],
     microbatch_size: int | None,
     count: Count,
+    allow_remainder: bool = False,
 ) -> Batch:
     """Flattens a call and finds each batched leaf, checking shapes and batch sizes."""
     _check_call(binding, args, kwargs)
@@ -68,9 +78,26 @@ def locate(
         _normalise_axis(ax, leaf, lab) for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
     ]
     size = _batch_size(binding, axes, leaves, labels)
-    n = size if microbatch_size is None else _num_microbatches(size, microbatch_size)
+    remainder = 0
+    if microbatch_size is None:
+        n = size
+    elif allow_remainder:
+        n, remainder = -(-size // microbatch_size), size % microbatch_size
+    else:
+        n = _num_microbatches(binding, size, microbatch_size)
     treedef = jax.tree.structure((args, kwargs))
-    return Batch(treedef, tuple(leaves), tuple(axes), tuple(labels), size, n, _bound(count, n))
+    weights = labels.index(WEIGHTS) if binding.weights and WEIGHTS in kwargs else None
+    return Batch(
+        treedef,
+        tuple(leaves),
+        tuple(axes),
+        tuple(labels),
+        size,
+        n,
+        _bound(count, n),
+        remainder,
+        weights,
+    )
 
 
 def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -151,17 +178,27 @@ def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
             )
 
 
-def _num_microbatches(batch_size: int, microbatch_size: int) -> int:
-    """The number of microbatches, or a ValueError naming both sizes."""
+def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int) -> int:
+    """The number of microbatches, or a ValueError naming both sizes and the fixes."""
     if batch_size % microbatch_size:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        n, r = divmod(batch_size, microbatch_size)
+        divisors = [d for d in range(2, batch_size) if batch_size % d == 0]
         nearest = sorted(sorted(divisors, key=lambda d: abs(d - microbatch_size))[:4])
+        sizes = (
+            f"or a microbatch_size that divides {batch_size}, such as one of {nearest}"
+            if nearest
+            else f"({batch_size} is prime: no microbatch_size but 1 and {batch_size} divides it)"
+        )
+        padding = (
+            " To keep one compiled shape for batches of varying size, pad them to a fixed "
+            "size and pass example_weights that are 0 on the padding rows."
+            if binding.weights
+            else ""
+        )
         raise ValueError(
-            f"The batch size {batch_size} is not divisible by {microbatch_size=}; "
-            f"choose a microbatch_size that divides it, such as one of {nearest}. "
-            "(Padding the batch is only right if fun gives the padded rows zero weight: "
-            "microbatch i holds rows i, i + n, i + 2n, ..., so padding is spread over "
-            "every microbatch.)"
+            f"The batch size {batch_size} is not divisible by {microbatch_size=}. Pass "
+            f"allow_remainder=True to run {n} {'microbatch' if n == 1 else 'microbatches'} "
+            f"of {microbatch_size} rows and one of the last {r}, {sizes}.{padding}"
         )
     return batch_size // microbatch_size
 

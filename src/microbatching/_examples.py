@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _accumulators, _layout, _vmap
 from ._microbatch import Settings
-from ._signature import BatchAxes
+from ._signature import WEIGHTS, BatchAxes
 from ._typing import Function, PyTree
 
 
@@ -188,11 +188,12 @@ def summed(
         return measured, None if clip is None else clip_factors(grads, clip)
 
     def rows(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        measured, weights = None, None
+        given = kwargs.pop(WEIGHTS, None)
+        measured, factors = None, None
         if clip is not None or metrics is not None:
             # The factors depend on the parameters, but as values closed over by ``total``
             # the gradient below holds them fixed; outer derivatives still see them.
-            measured, weights = _in_chunks(statistics, example, args, kwargs)
+            measured, factors = _in_chunks(statistics, example, args, kwargs)
 
         def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
             values, aux = losses(*args, **kwargs)
@@ -201,13 +202,22 @@ def summed(
                     "micro_grad needs fun to return a scalar loss per example, but it returned "
                     f"shape {jnp.shape(values)[1:]} for each; reduce it to a scalar in fun."
                 )
-            weighted = values if weights is None else values * weights.astype(values.dtype)
+            weighted = values if factors is None else values * factors.astype(values.dtype)
+            if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
+                if given.dtype != jnp.bool_:
+                    weighted = weighted * given.astype(values.dtype)
+                weighted = jnp.where(given != 0, weighted, jnp.zeros((), values.dtype))
             return jnp.sum(weighted), (values, aux)
 
         (_, (values, aux)), grads = jax.value_and_grad(total, example.argnums, has_aux=True)(
             *args, **kwargs
         )
-        return grads, Aux(values, measured, aux)
+        out = Aux(values, measured, aux)
+        if given is not None:
+            keep = given != 0
+            out = jax.tree.map(lambda x: _masked(x, keep), out)
+            grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
+        return grads, out
 
     def per_microbatch(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         with jax.named_scope("micro_grad_step"):
@@ -222,6 +232,8 @@ def summed(
                     lambda g: _open(_layout.constrain(g, where), requested, "sum"), grads
                 )
                 aux = jax.tree.map(lambda x: _layout.unchunk(x, where), aux)
+            if WEIGHTS in kwargs:  # weighted sums: the loop divides means by the weights
+                return grads, aux
             return _accumulators.per_row(accumulators, grads, first.shape[0]), aux
 
     return per_microbatch
@@ -287,6 +299,11 @@ def _in_chunks(
 
     out = jax.lax.map(one, chunks)
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
+
+
+def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """Per-example ``x`` with the rows where ``keep`` is False set to zero."""
+    return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 def _first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

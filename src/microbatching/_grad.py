@@ -30,6 +30,7 @@ def micro_grad(
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
+    allow_remainder: bool = False,
 ) -> Callable[P, tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
@@ -117,6 +118,7 @@ def micro_grad(
         _checks.ensure_mesh_axes(batch_mesh_axes),
         _checks.ensure_bool("progress", progress),
         "micro_grad",
+        _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     clip = _checks.ensure_clip_norm(l2_clip_norm)
     batched_grad = any(axes.spec(i) is not None for i in example.nums())

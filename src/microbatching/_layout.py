@@ -25,7 +25,32 @@ from . import _sharding
 from ._checks import ensure_microbatch_size, is_int
 from ._typing import PyTree
 
-REDUCE = {"sum": jnp.sum, "mean": jnp.mean}
+REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min}
+EXTREMA = ("max", "min")
+
+
+def identity(how: str, dtype: Any) -> Any:
+    """The identity of ``max`` or ``min`` for ``dtype``: what no rows reduce to."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return how == "min"
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return info.min if how == "max" else info.max
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"AccumulationType.{how.upper()} needs ordered results, but fun returned a leaf of "
+            f"dtype {dtype}; take the real part or the modulus inside fun."
+        )
+    return -jnp.inf if how == "max" else jnp.inf
+
+
+def reduce(x: jax.Array, how: str, axis: int, dtype: Any = None) -> jax.Array:
+    """``REDUCE[how]`` along ``axis``, in ``dtype`` for sums and means; max and min of no
+    rows give their identity."""
+    if how in EXTREMA:
+        return REDUCE[how](x, axis=axis, initial=identity(how, x.dtype))
+    return REDUCE[how](x, axis=axis, dtype=dtype)
 
 
 @functools.partial(
@@ -62,7 +87,7 @@ def close(tree: PyTree) -> PyTree:
     def close_one(x: Any) -> Any:
         if not isinstance(x, Open):
             return x
-        out = x.value if x.merge is None else REDUCE[x.merge](x.value, axis=0)
+        out = x.value if x.merge is None else reduce(x.value, x.merge, 0)
         return out.astype(x.dtype)
 
     return jax.tree.map(close_one, tree, is_leaf=is_open)
@@ -159,18 +184,17 @@ def constrain(x: jax.Array, where: Shards, spec: list[Any] | None = None) -> jax
 def reduce_rows(
     x: jax.Array, how: str, wide: Any, dtype: Any, mesh_axes: tuple[str, ...] | None = None
 ) -> Any:
-    """Reduces axis 0 (the rows) of ``x`` with ``how`` ("sum" or "mean") in dtype ``wide``.
+    """Reduces axis 0 (the rows) of ``x`` with ``how`` (a key of ``REDUCE``) in dtype ``wide``.
 
     The result has ``dtype``. When the rows are sharded (explicitly, or over
     ``mesh_axes``) the result stays open, one partial per shard; when ``wide`` differs
     from ``dtype`` it stays open in ``wide``.
     """
-    reduce = REDUCE[how]
     where = shards(x, 0, mesh_axes) if x.ndim else None
     if where is None:
-        out = reduce(x, axis=0, dtype=wide)
+        out = reduce(x, how, 0, wide)
         return out if jnp.dtype(wide) == jnp.dtype(dtype) else Open(out, dtype)
-    parts = reduce(chunk(x, 0, where), axis=1, dtype=wide)
+    parts = reduce(chunk(x, 0, where), how, 1, wide)
     return Open(constrain(parts, where), dtype, how)
 
 
@@ -200,6 +224,24 @@ def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Ar
 def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
     """Microbatch ``index`` of a view made by ``split``, batch axis back at ``axis``."""
     return jax.lax.dynamic_index_in_dim(view, index, axis + 1, keepdims=False)
+
+
+def rows(index: Any, full: int, remainder: int, size: int) -> tuple[jax.Array, jax.Array]:
+    """The rows of microbatch ``index`` of a batch of ``full * size + remainder`` rows.
+
+    Microbatch ``i < full`` holds rows ``i, i + full, i + 2 * full, ...`` of the first
+    ``full * size`` rows; microbatch ``full`` holds the last ``remainder`` rows, then
+    copies of the last row up to ``size``. Returns the row indices and which are real.
+    """
+    j = jnp.arange(size)
+    last = full * size + jnp.minimum(j, remainder - 1)
+    head = index < full
+    return jnp.where(head, index + full * j, last), head | (j < remainder)
+
+
+def take_rows(leaf: Any, axis: int, indices: jax.Array) -> jax.Array:
+    """The rows ``indices`` of ``leaf``'s batch axis, gathered in place."""
+    return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)
 
 
 def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> Any:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import (
     _accumulators,
@@ -24,7 +25,7 @@ from . import (
 )
 from ._accumulators import AccumulationType
 from ._batch import Batch
-from ._signature import BatchAxes
+from ._signature import WEIGHTS, BatchAxes
 from ._typing import Count, Function, InAxes, P
 
 
@@ -39,6 +40,7 @@ def microbatch(
     num_real_microbatches: Count = None,
     accumulation_dtype: Any = None,
     progress: bool = False,
+    allow_remainder: bool = False,
 ) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
@@ -96,6 +98,7 @@ def microbatch(
         _checks.ensure_count(num_real_microbatches),
         _checks.ensure_accumulation_dtype(accumulation_dtype),
         progress=_checks.ensure_bool("progress", progress),
+        allow_remainder=_checks.ensure_bool("allow_remainder", allow_remainder),
     )
     return wraps(fun, loop(fun, axes, settings), settings)
 
@@ -121,6 +124,8 @@ class Settings:
       mesh_axes: ``batch_mesh_axes``.
       progress: Whether the loop reports each microbatch to a progress bar.
       span: The transform's name, for profiler spans and the progress bar.
+      allow_remainder: Whether a batch that ``size`` does not divide runs a last,
+        partial microbatch.
     """
 
     size: int | None
@@ -130,6 +135,7 @@ class Settings:
     mesh_axes: tuple[str, ...] | None = None
     progress: bool = False
     span: str = "microbatch"
+    allow_remainder: bool = False
 
 
 def wraps(fun: Callable[P, Any], wrapper: Function, settings: Settings) -> Callable[P, Any]:
@@ -155,38 +161,182 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
     The outer profiler span is ``{span}({fun_name})``; the spans of optax.microbatching
     are there too: ``microbatch_size_{m}`` around the loop and ``{n}_microbatches`` in its
     body.
+
+    For ``micro_vmap`` and ``micro_grad`` (``axes.weights``) ``fun`` also takes the
+    microbatch's ``example_weights``: the call's, or with a remainder and built-in
+    accumulators, 1 on real rows and 0 on the padding of the last microbatch.
     """
     size, name = settings.size, f"{settings.span}({axes.fun_name})"
+    padded = axes.weights and not _accumulators.is_custom(settings.accumulator)
 
     def looped(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(name):
             if size is None and axes.transform == "microbatch":
                 return fun(*args, **kwargs)
+            given = axes.weights and WEIGHTS in kwargs
+            if given:
+                kwargs = {**kwargs, WEIGHTS: _weights(kwargs[WEIGHTS], axes)}
             count = None if size is None else settings.count
-            batch = _batch.locate(axes, args, kwargs, size, count)
-            if size is None:
+            batch = _batch.locate(axes, args, kwargs, size, count, settings.allow_remainder)
+            if size is None and not given:
                 return _layout.close(fun(*args, **kwargs))
-            with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{size}"):
+            m = size
+            if m is None:  # example_weights without microbatching: one microbatch of all
+                m = max(batch.size, 1)
+                batch = _batch.locate(axes, args, kwargs, m, None)
+            if batch.remainder and padded and not given:
+                kwargs = {**kwargs, WEIGHTS: jax.numpy.ones(batch.size, bool)}
+                batch = _batch.locate(axes, args, kwargs, m, count, True)
+            with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{m}"):
+                split = _accumulators.Split(
+                    batch.num_microbatches, batch.remainder, m, _weighting(batch, m)
+                )
                 acc = _accumulators.combine(
-                    settings.accumulator, batch.num_microbatches, settings.accumulation_dtype
+                    settings.accumulator, split, settings.accumulation_dtype
                 )
                 progress = name if settings.progress else None
-                return _layout.close(
-                    _run(fun, batch, size, acc, settings.accumulation_dtype, progress)
-                )
+                loop = Loop(batch, m, padded, given)
+                return _layout.close(_run(fun, loop, acc, settings.accumulation_dtype, progress))
 
     return looped
 
 
-def _run(
-    fun: Function, batch: Batch, size: int, acc: Any, requested: Any, progress: str | None
-) -> Any:
+def _weights(weights: Any, axes: BatchAxes) -> jax.Array:
+    """``example_weights`` checked: one bool, integer or float per example; integers
+    become float32."""
+    shape, dtype = getattr(weights, "shape", None), getattr(weights, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"{WEIGHTS} must be an array of one weight per example, got {weights!r} of type "
+            f"{type(weights).__name__}; pass e.g. jnp.ones(batch_size) or a boolean mask."
+        )
+    if len(shape) != 1:
+        raise ValueError(
+            f"{WEIGHTS} must have shape (batch_size,), one weight per example, got shape "
+            f"{tuple(shape)}; pass a vector, e.g. {WEIGHTS}=mask.reshape(-1)."
+        )
+    kind = np.dtype(dtype)
+    if kind == np.bool_ or jax.numpy.issubdtype(kind, jax.numpy.floating):
+        return jax.numpy.asarray(weights)
+    if jax.numpy.issubdtype(kind, jax.numpy.integer):
+        return jax.numpy.asarray(weights, jax.numpy.float32)
+    raise TypeError(
+        f"{WEIGHTS} of {axes.transform} must be bool, integer or floating, got dtype {kind}; "
+        "pass real weights, or a boolean mask."
+    )
+
+
+def _weighting(batch: Batch, size: int) -> _accumulators.Weighting | None:
+    """The weight of each microbatch: the sum of its ``example_weights``, or its rows."""
+    full, rem = batch.full, batch.remainder
+    if batch.weights is not None:
+        w = batch.leaves[batch.weights]
+        w = w.astype(jax.numpy.promote_types(w.dtype, jax.numpy.float32))
+        parts = [jax.numpy.sum(jax.numpy.reshape(w[: full * size], (size, full)), axis=0)]
+        if rem:
+            parts.append(jax.numpy.sum(w[full * size :])[None])
+        per = jax.numpy.concatenate(parts)
+        return _accumulators.Weighting(per, jax.numpy.sum(w), presummed=True)
+    if rem:
+        per = np.array([size] * full + [rem], np.float32)
+        return _accumulators.Weighting(
+            jax.numpy.asarray(per), jax.numpy.float32(batch.size), presummed=False
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What the loop reads: the batch, the microbatch size, and how a remainder runs.
+
+    Attributes:
+      padded: A remainder runs in the loop as one more microbatch of ``size`` rows, its
+        padding rows copies of the last row, masked by the weights (``micro_vmap``,
+        ``micro_grad``); else ``fun`` is called once more, after the loop, on the
+        remainder alone (``microbatch``, custom accumulators).
+      substitute: Rows of weight 0 are replaced by a row of non-zero weight before
+        ``fun`` sees them, so that whatever they hold cannot reach a result.
+    """
+
+    batch: Batch
+    size: int
+    padded: bool
+    substitute: bool
+
+    @property
+    def trips(self) -> int:
+        batch = self.batch
+        return batch.num_microbatches if self.padded else batch.full
+
+    def reader(self) -> Callable[[Any], list[Any]]:
+        """``read(i)``: the batched leaves of microbatch ``i``, as ``fun`` gets them."""
+        batch, size = self.batch, self.size
+        batched = batch.batched
+        axes = [batch.axes[i] or 0 for i in batched]
+        if not batch.remainder:
+            views = [
+                _layout.split(batch.leaves[i], ax, size, batch.labels[i])
+                for i, ax in zip(batched, axes, strict=True)
+            ]
+
+            def read(index: Any) -> list[Any]:
+                return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
+
+        else:
+
+            def read(index: Any) -> list[Any]:
+                rows, valid = _layout.rows(index, batch.full, batch.remainder, size)
+                out = [
+                    _layout.take_rows(batch.leaves[i], ax, rows)
+                    for i, ax in zip(batched, axes, strict=True)
+                ]
+                if batch.weights is not None:
+                    k = batched.index(batch.weights)
+                    out[k] = jax.numpy.where(valid, out[k], jax.numpy.zeros((), out[k].dtype))
+                return out
+
+        if not self.substitute or batch.weights is None:
+            return read
+        weights = batch.leaves[batch.weights]
+        k = batched.index(batch.weights)
+        first = jax.numpy.argmax(weights != 0)  # a row of non-zero weight, if any
+        refs = [
+            None
+            if i == batch.weights
+            else jax.lax.dynamic_index_in_dim(batch.leaves[i], first, ax, keepdims=True)
+            for i, ax in zip(batched, axes, strict=True)
+        ]
+
+        def substituted(index: Any) -> list[Any]:
+            leaves = read(index)
+            keep = leaves[k] != 0
+            for j, (ref, ax) in enumerate(zip(refs, axes, strict=True)):
+                if ref is not None:
+                    shape = [1] * leaves[j].ndim
+                    shape[ax] = -1
+                    leaves[j] = jax.numpy.where(keep.reshape(shape), leaves[j], ref)
+            return leaves
+
+        return substituted
+
+    def remainder(self) -> list[Any]:
+        """The batched leaves of the last rows, for ``fun`` called on them alone."""
+        batch = self.batch
+        start = batch.full * self.size
+        return [
+            jax.lax.slice_in_dim(batch.leaves[i], start, batch.size, axis=batch.axes[i] or 0)
+            for i in batch.batched
+        ]
+
+
+def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | None) -> Any:
     """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop.
 
     The trip count is static, so reverse-mode differentiation works: a traced
     ``num_real_microbatches`` skips the microbatches past it with a ``lax.cond``.
     ``progress`` names the bar that each microbatch reports to, if any.
     """
+    batch, size = loop.batch, loop.size
     batched = batch.batched
 
     def call(microbatch_leaves: list[Any]) -> Any:
@@ -196,14 +346,10 @@ def _run(
         args, kwargs = batch.rebuild(leaves)
         return fun(*args, **kwargs)
 
-    axes = [batch.axes[i] or 0 for i in batched]  # batched leaves all have an axis
-    views = [
-        _layout.split(batch.leaves[i], ax, size, batch.labels[i])
-        for i, ax in zip(batched, axes, strict=True)
-    ]
+    # The reader first: its views check the microbatch size against the shards.
+    take = loop.reader() if batch.num_microbatches else None
     structs = [
-        _layout.microbatch_struct(batch.leaves[i], ax, size)
-        for i, ax in zip(batched, axes, strict=True)
+        _layout.microbatch_struct(batch.leaves[i], batch.axes[i] or 0, size) for i in batched
     ]
     try:
         jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
@@ -213,11 +359,8 @@ def _run(
         raise
     out_tree = jax.tree.structure(out_shape)
     carry = acc.init(out_shape)
-    if batch.num_microbatches == 0:
+    if take is None:
         return acc.finalize(carry)
-
-    def take(index: Any) -> list[Any]:
-        return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
 
     bound = batch.bound
     traced = not isinstance(bound, int)
@@ -247,7 +390,7 @@ def _run(
             step = lambda i, c: fold(i, c, out_tree.unflatten(run(i)))  # noqa: E731
             return jax.lax.cond(index < bound, step, lambda i, c: c, index, carry)
 
-    trips = bound if isinstance(bound, int) else batch.num_microbatches
+    trips = min(bound, loop.trips) if isinstance(bound, int) else loop.trips
     try:
         carry = jax.lax.fori_loop(0, trips, body, carry)
     except TypeError as err:
@@ -258,4 +401,20 @@ def _run(
             "Accumulator's init must return the carry that its update takes and returns. "
             f"({err})"
         ) from err
+    if batch.remainder and not loop.padded:
+        carry = _remainder(call, loop, acc, carry)
     return acc.finalize(carry)
+
+
+def _remainder(call: Function, loop: Loop, acc: Any, carry: Any) -> Any:
+    """Folds ``fun`` of the last, partial microbatch into the carry, as microbatch ``full``."""
+    batch, full = loop.batch, loop.batch.full
+
+    def fold(carry: Any) -> Any:
+        with jax.named_scope("remainder"):
+            return acc.update(carry, call(loop.remainder()), full)
+
+    bound = batch.bound
+    if isinstance(bound, int):
+        return fold(carry) if bound > full else carry
+    return jax.lax.cond(bound > full, fold, lambda c: c, carry)

@@ -15,6 +15,9 @@ from typing import Any
 from . import _checks
 from ._typing import AxisSpec, Function
 
+WEIGHTS = "example_weights"
+"""The keyword of the per-example weights that ``micro_vmap`` and ``micro_grad`` take."""
+
 TOO_MANY = object()
 """``BatchAxes.rest`` when a call may not pass more positional arguments than there are specs."""
 
@@ -85,6 +88,7 @@ class BatchAxes:
       required: Batch arguments every call must pass.
       required_by: The wrap-time argument that requires them (``argnums``...).
       set_by: The wrap-time arguments that chose these axes, for messages.
+      weights: Whether calls may pass ``example_weights`` (a keyword ``fun`` never sees).
     """
 
     transform: str
@@ -97,6 +101,7 @@ class BatchAxes:
     required: tuple[int | str, ...]
     required_by: str
     set_by: str
+    weights: bool = False
 
     def spec(self, where: int | str) -> AxisSpec:
         """The axis spec of the argument passed at position or keyword ``where``."""
@@ -219,8 +224,19 @@ def vmap_axes(fun: Function, in_axes: Any) -> BatchAxes:
                 f"{len(sig.positional)} positional parameter(s); give one entry per "
                 f"positional parameter ({in_axes=})."
             )
+    _check_reserved(sig, name, "micro_vmap")
     return BatchAxes(
-        "micro_vmap", name, sig, positions, {}, rest, 0, (), "in_axes", f"in_axes={in_axes!r}"
+        "micro_vmap",
+        name,
+        sig,
+        positions,
+        {},
+        rest,
+        0,
+        (),
+        "in_axes",
+        f"in_axes={in_axes!r}",
+        weights=True,
     )
 
 
@@ -232,6 +248,7 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
     if not nums:
         raise ValueError("batch_argnums is empty; name at least one argument with a batch axis 0.")
     nums = _argnums(nums, sig, name, "batch_argnums")
+    _check_reserved(sig, name, "micro_grad")
     return BatchAxes(
         "micro_grad",
         name,
@@ -243,7 +260,18 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
         nums,
         "batch_argnums",
         f"batch_argnums={batch_argnums!r}",
+        weights=True,
     )
+
+
+def _check_reserved(sig: Signature | None, name: str, transform: str) -> None:
+    """``fun`` may not have a parameter named ``example_weights``: the keyword is ours."""
+    if sig is not None and (WEIGHTS in sig.keyword or WEIGHTS in sig.positional):
+        raise ValueError(
+            f"{name}{sig.describe()} has a parameter named {WEIGHTS!r}, but {transform} "
+            f"takes {WEIGHTS}= itself (per-example weights, never passed to fun); rename "
+            "the parameter of fun."
+        )
 
 
 def differentiated(fun: Function, argnums: Any) -> tuple[int, ...]:

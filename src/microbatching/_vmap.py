@@ -11,7 +11,7 @@ import jax
 from . import _accumulators, _checks, _signature
 from ._accumulators import AccumulationType
 from ._microbatch import Settings, loop, wraps
-from ._signature import BatchAxes
+from ._signature import WEIGHTS, BatchAxes
 from ._typing import Count, Function, InAxes, P, VmapFn
 
 
@@ -27,6 +27,7 @@ def micro_vmap(
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
+    allow_remainder: bool = False,
 ) -> Callable[P, Any]:
     """Maps ``fun`` over a batch axis, one microbatch at a time.
 
@@ -85,6 +86,7 @@ def micro_vmap(
         _checks.ensure_mesh_axes(batch_mesh_axes),
         _checks.ensure_bool("progress", progress),
         "micro_vmap",
+        _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     looped = build(fun, axes, _checks.ensure_callable("vmap_fn", vmap_fn), settings)
     return wraps(fun, looped, settings)
@@ -98,8 +100,11 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
 
     def per_microbatch(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope("micro_vmap_step"):
-            combined = _accumulators.combine(accumulator, 1, dtype, mesh_axes)
-            return combined.aggregate(mapped(*args, **kwargs))
+            weights = kwargs.pop(WEIGHTS, None)
+            out = mapped(*args, **kwargs)
+            if weights is None:
+                return _accumulators.combine(accumulator, 1, dtype, mesh_axes).aggregate(out)
+            return _accumulators.weighted_aggregate(accumulator, out, weights, dtype, mesh_axes)
 
     return loop_over(per_microbatch, axes, settings)
 
