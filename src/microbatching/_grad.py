@@ -31,7 +31,7 @@ def micro_grad(
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
     allow_remainder: bool = False,
-) -> Callable[P, tuple[PyTree, Aux]]:
+) -> Callable[..., tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
     For every example ``b`` the returned function computes

@@ -244,6 +244,33 @@ def take_rows(leaf: Any, axis: int, indices: jax.Array) -> jax.Array:
     return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)
 
 
+def kept_row(
+    leaf: jax.Array, axis: int, weights: jax.Array, mesh_axes: tuple[str, ...] | None
+) -> jax.Array:
+    """A row of ``leaf`` whose weight is not 0 (row 0 if none), batch axis kept, length 1.
+
+    On a sharded batch each shard finds its own first such row, and one shard's row is
+    chosen with a reduction over the shards: one row crosses devices, nothing is gathered.
+    """
+    kept = weights != 0
+    where = shards(leaf, axis, mesh_axes)
+    if where is None or leaf.shape[axis] % where.count:  # not sharded, or not evenly
+        count = kept.shape[0]
+        first = jnp.min(jnp.where(kept, jnp.arange(count), count))
+        return jax.lax.dynamic_index_in_dim(leaf, jnp.where(first == count, 0, first), axis)
+    parts, kept = chunk(leaf, axis, where), chunk(kept, 0, where)
+    shape = [1] * parts.ndim
+    shape[axis] = where.count
+    first = jnp.reshape(jnp.argmax(kept, axis=1), shape)  # within each shard: no gather
+    rows = jnp.take_along_axis(parts, first, axis=axis + 1)
+    shard = jnp.min(jnp.where(jnp.any(kept, axis=1), jnp.arange(where.count), where.count))
+    pick = jnp.reshape(jnp.arange(where.count) == jnp.where(shard == where.count, 0, shard), shape)
+    chosen = jnp.where(pick, rows, jnp.zeros((), rows.dtype))
+    if rows.dtype == jnp.bool_:
+        return jnp.any(chosen, axis=axis)
+    return jnp.sum(chosen, axis=axis, dtype=rows.dtype)
+
+
 def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> Any:
     """The abstract value of one microbatch of ``leaf``.
 

@@ -195,7 +195,7 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
                     settings.accumulator, split, settings.accumulation_dtype
                 )
                 progress = name if settings.progress else None
-                loop = Loop(batch, m, padded, given)
+                loop = Loop(batch, m, padded, given, settings.mesh_axes)
                 return _layout.close(_run(fun, loop, acc, settings.accumulation_dtype, progress))
 
     return looped
@@ -256,12 +256,14 @@ class Loop:
         remainder alone (``microbatch``, custom accumulators).
       substitute: Rows of weight 0 are replaced by a row of non-zero weight before
         ``fun`` sees them, so that whatever they hold cannot reach a result.
+      mesh_axes: ``batch_mesh_axes``.
     """
 
     batch: Batch
     size: int
     padded: bool
     substitute: bool
+    mesh_axes: tuple[str, ...] | None = None
 
     @property
     def trips(self) -> int:
@@ -299,13 +301,10 @@ class Loop:
             return read
         weights = batch.leaves[batch.weights]
         k = batched.index(batch.weights)
-        # The first row of non-zero weight (row 0 if none), as a reduction: on a sharded
-        # batch, an argmax would gather the weights.
-        rows = jax.numpy.arange(batch.size)
-        first = jax.numpy.min(jax.numpy.where(weights != 0, rows, batch.size))
-        first = jax.numpy.where(first == batch.size, 0, first)
         refs = [
-            None if i == batch.weights else _row(batch.leaves[i], ax, first)
+            None
+            if i == batch.weights
+            else _layout.kept_row(batch.leaves[i], ax, weights, self.mesh_axes)
             for i, ax in zip(batched, axes, strict=True)
         ]
 
@@ -329,21 +328,6 @@ class Loop:
             jax.lax.slice_in_dim(batch.leaves[i], start, batch.size, axis=batch.axes[i] or 0)
             for i in batch.batched
         ]
-
-
-def _row(leaf: jax.Array, axis: int, index: jax.Array) -> jax.Array:
-    """Row ``index`` of ``leaf``'s batch axis, kept as an axis of length 1.
-
-    Selected and reduced rather than sliced: on a sharded batch axis each device reduces
-    its own rows and one row crosses devices, where a slice would gather the batch.
-    """
-    shape = [1] * leaf.ndim
-    shape[axis] = -1
-    hit = jax.numpy.reshape(jax.numpy.arange(leaf.shape[axis]) == index, shape)
-    picked = jax.numpy.where(hit, leaf, jax.numpy.zeros((), leaf.dtype))
-    if leaf.dtype == jax.numpy.bool_:
-        return jax.numpy.any(picked, axis=axis, keepdims=True)
-    return jax.numpy.sum(picked, axis=axis, keepdims=True, dtype=leaf.dtype)
 
 
 def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | None) -> Any:

@@ -28,7 +28,7 @@ def micro_vmap(
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
     allow_remainder: bool = False,
-) -> Callable[P, Any]:
+) -> Callable[..., Any]:
     """Maps ``fun`` over a batch axis, one microbatch at a time.
 
     With the default ``CONCAT`` accumulator the result equals
