@@ -648,3 +648,29 @@ def test_allow_remainder_must_be_a_bool():
         r"or False\.",
     ):
         micro_vmap(rows, allow_remainder="yes")  # pyright: ignore[reportArgumentType]
+
+
+def test_the_demo_scores_all_1797_digits_like_the_whole_batch():
+    """The demo's evaluation, 64 rows at a time with ``allow_remainder``, on all digits."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "dp_sgd_digits.py"
+    spec = importlib.util.spec_from_file_location("dp_sgd_digits", path)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    data = demo.load_data()
+    x = jnp.concatenate([data.x_train, data.x_test])
+    y = jnp.concatenate([data.y_train, data.y_test])
+    assert x.shape[0] == 1797
+    params = demo.init_params(jax.random.key(0), x.shape[1])
+    with jax.numpy_rank_promotion("allow"):  # the demo's bias adds broadcast
+        # a few plain gradient steps, so that the accuracy is neither 0 nor 1
+        for _ in range(5):
+            grads = jax.grad(demo.loss_fn)(params, x, y)
+            params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+        whole = demo.accuracy(params, x, y)
+        micro = demo.microbatched_accuracy(params, x, y, 64)
+    assert 0.2 < whole < 1.0
+    assert micro == pytest.approx(whole, rel=1e-6, abs=1e-6)

@@ -41,6 +41,12 @@ def micro_grad(
     gradients of the whole batch never exist at once. Clipping each gradient in
     ``transform_fn`` and summing gives the DP-SGD update.
 
+    The returned function also takes a keyword-only ``example_weights`` of shape
+    ``(batch_size,)``, as ``micro_vmap`` does: SUM gives ``sum(w_b * t_b)`` of the
+    transformed gradients ``t_b``, MEAN divides it by ``sum(w_b)``, MAX and MIN skip
+    weight 0, and ``Aux`` holds zeros for examples of weight 0. A boolean mask over a
+    batch padded to a fixed size gives DP-SGD with Poisson sampling without recompiling.
+
     Args:
       fun: A scalar loss, e.g. ``fun(params, batch, ...)``.
       has_aux: Whether ``fun`` returns ``(loss, aux)``.
@@ -64,9 +70,11 @@ def micro_grad(
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
       progress: See ``microbatch``.
+      allow_remainder: See ``micro_vmap``.
 
     Returns:
-      A function returning ``(accumulated transformed gradients, Aux)``.
+      A function returning ``(accumulated transformed gradients, Aux)``; it takes
+      ``fun``'s arguments and optionally ``example_weights=``.
 
     >>> import jax.numpy as jnp
     >>> def mean_squared_loss(params, features, targets):

@@ -48,7 +48,10 @@ def microbatch(
     argument into ``batch_size // microbatch_size`` microbatches, calls ``fun`` on each
     inside a single ``jax.lax.fori_loop`` and folds the results with ``accumulator``.
     Microbatch ``i`` holds rows ``i, i + n, i + 2n, ...`` of the batch (``n`` the number
-    of microbatches); it is read in place, so the batch is never copied.
+    of microbatches); it is read in place, so the batch is never copied. With
+    ``allow_remainder=True`` a batch of ``n * microbatch_size + r`` rows is split the
+    same way in its first ``n * microbatch_size`` rows, and ``fun`` is called once more,
+    after the loop, on the last ``r`` rows.
 
     Args:
       fun: The function to run; it must accept a microbatch wherever it accepts the batch.
@@ -72,6 +75,11 @@ def microbatch(
         floats narrower than 32 bits in float32. The result keeps ``fun``'s dtype.
       progress: Print a progress bar over the microbatches to standard error, from
         inside the compiled loop (one line per 10% when the output is not a terminal).
+      allow_remainder: Accept a batch that ``microbatch_size`` does not divide: the last
+        ``r`` rows form one more, smaller microbatch (it counts in
+        ``num_real_microbatches``). SUM and CONCAT combine it as any other; MEAN and
+        RUNNING_MEAN weight each microbatch by its rows, so that a ``fun`` that averages
+        over its rows gives the mean over the whole batch.
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.

@@ -36,6 +36,14 @@ def micro_vmap(
     mapped at once. A reducing accumulator (``SUM``, ``MEAN``...) reduces over the batch
     axis instead, so the mapped outputs never exist all at once.
 
+    The returned function also takes a keyword-only ``example_weights``: one weight per
+    example, shape ``(batch_size,)``, boolean (a mask) or numeric, never passed to
+    ``fun``. SUM then gives ``sum(w_b * y_b)``, MEAN and RUNNING_MEAN
+    ``sum(w_b * y_b) / sum(w_b)``, MAX and MIN skip examples of weight 0, and CONCAT
+    gives rows of zeros for them. Examples of weight 0 never reach a result: ``fun``
+    sees another example in their place and their outputs are selected away, so NaN or
+    padding in them is harmless. Without ``example_weights`` nothing of this is compiled.
+
     Args:
       fun: The per-example function.
       in_axes: As in ``jax.vmap``: an int for every positional parameter, or one entry
@@ -56,9 +64,17 @@ def micro_vmap(
         shard through the loop and all-reduce once after it, as they do on Explicit
         meshes, where the sharding is read from the arrays' types and this is not needed.
       progress: See ``microbatch``.
+      allow_remainder: Accept a batch that ``microbatch_size`` does not divide. The last
+        rows run as one more microbatch inside the same loop, padded to
+        ``microbatch_size`` with copies of the last row that are masked out; results
+        equal those of the whole batch. Microbatch ``i < n`` holds rows ``i, i + n, ...``
+        of the first ``n * microbatch_size`` rows, the last one the remaining rows.
+        A custom ``Accumulator`` cannot mask, so it gets the last rows in one more call
+        after the loop, as in ``microbatch``.
 
     Returns:
-      A function taking ``fun``'s arguments with an extra batch axis.
+      A function taking ``fun``'s arguments with an extra batch axis, and optionally
+      ``example_weights=``.
 
     Raises:
       NotImplementedError: If ``out_axes`` is not 0.
@@ -71,6 +87,10 @@ def micro_vmap(
     >>> micro_vmap(lambda x: x ** 2, microbatch_size=2,
     ...            accumulator=AccumulationType.SUM)(jnp.arange(6))
     Array(55, dtype=int32)
+    >>> mean = micro_vmap(lambda x: x ** 2, microbatch_size=4, allow_remainder=True,
+    ...                   accumulator=AccumulationType.MEAN)
+    >>> mean(jnp.arange(7.0)), mean(jnp.arange(7.0), example_weights=jnp.arange(7) < 3)
+    (Array(13., dtype=float32), Array(1.6666666, dtype=float32))
     """
     if not (_checks.is_int(out_axes) and out_axes == 0):
         raise NotImplementedError(
