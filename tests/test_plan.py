@@ -51,6 +51,21 @@ def test_default_candidates_are_the_divisors_of_the_batch_size():
     assert all(isinstance(row, PlanRow) and row.fits for row in result.table)
 
 
+def test_sizes_that_do_not_divide_the_batch_with_allow_remainder():
+    def build(m):
+        return jax.grad(microbatch(_loss, (1, 2), m, AccumulationType.MEAN, allow_remainder=True))
+
+    x, y = jax.ShapeDtypeStruct((60, FEATURES), DTYPE), jax.ShapeDtypeStruct((60, 1), DTYPE)
+    options = {"batch_size": 60, "memory_budget": HUGE, "allow_remainder": True}
+    result = plan(build, PARAMS, x, y, **options)
+    assert [row.microbatch_size for row in result.table] == [
+        1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 30, 32, 60
+    ]  # fmt: skip
+    assert [row.num_microbatches for row in result.table][-4:] == [3, 2, 2, 1]
+    chosen = plan(build, PARAMS, x, y, candidates=[16, 7], **options)
+    assert [row.num_microbatches for row in chosen.table] == [9, 4]
+
+
 def test_picks_the_largest_size_whose_total_fits():
     totals = _totals([4, 32])
     assert totals[4] < totals[32]
@@ -276,9 +291,18 @@ def _example_error(**options):
         (
             {"candidates": [4, 48]},
             ValueError,
-            r"candidates\[1\]=48 does not divide batch_size=64; a microbatch size must, so choose among \[1, 2, 4, 8, 16, 32, 64\]\.",
+            r"candidates\[1\]=48 does not divide batch_size=64; a microbatch size must, so choose among \[1, 2, 4, 8, 16, 32, 64\], or pass allow_remainder=True if build's function passes it to the transform\.",
         ),
-        ({"candidates": [0]}, ValueError, r"candidates\[0\]=0 does not divide batch_size=64"),
+        (
+            {"candidates": [0]},
+            ValueError,
+            r"candidates\[0\] must be a positive int or None, got 0; pass microbatch sizes such as 8\.",
+        ),
+        (
+            {"allow_remainder": "yes"},
+            TypeError,
+            r"allow_remainder must be a bool, got allow_remainder='yes' of type str; pass True or False\.",
+        ),
         (
             {"candidates": [4, None, 4]},
             ValueError,

@@ -202,6 +202,25 @@ def test_the_last_microbatch_holds_the_last_rows():
     np.testing.assert_array_equal(got, np.arange(10))
 
 
+def test_microbatch_concat_of_results_that_are_not_rows():
+    # fun's CONCAT output need not have a row per input row: the remainder's result is
+    # appended whole.
+    x = jnp.arange(10)
+    got = microbatch(lambda x: jnp.sum(x, keepdims=True), 0, 4, CONCAT, allow_remainder=True)(x)
+    np.testing.assert_array_equal(got, [12, 16, 17])
+    got = microbatch(lambda x: x[:2], 0, 4, CONCAT, allow_remainder=True)(x)
+    np.testing.assert_array_equal(got, [0, 1, 2, 3, 8, 9])  # interleaved as CONCAT does
+    with pytest.raises(
+        ValueError,
+        match=r"CONCAT got 9 rows from fun on the last 1 rows of the batch, more than the 6 of a "
+        r"whole microbatch; with allow_remainder, fun's CONCAT outputs may not have more rows "
+        r"on fewer inputs\.",
+    ):
+        microbatch(lambda x: jnp.zeros(10 - x.shape[0]), 0, 4, CONCAT, allow_remainder=True)(
+            jnp.arange(9.0)
+        )
+
+
 def test_a_divisible_batch_compiles_to_the_same_program():
     x = random_array(0, (12, 3), F32)
     for make in (
@@ -504,6 +523,23 @@ def test_sharded_weights_and_remainder_move_no_batch_data():
                 counts = collectives(call, xs, ms)
                 assert {k: counts[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
                 assert all_reduces_in_loops(call, xs, ms) == 0
+
+
+def test_a_remainder_on_an_explicit_mesh():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = random_array(0, (1032, 3), F32)  # 16 microbatches of 64 and one of 8
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        for kind in (SUM, MEAN, MAX, CONCAT):
+            mapped = micro_vmap(rows, microbatch_size=64, accumulator=kind, allow_remainder=True)
+            assert_close(jax.jit(mapped)(xs), weighted(kind, rows(x)), terms=17)
+        summed = microbatch(lambda x: jnp.sum(rows(x), 0), 0, 64, SUM, allow_remainder=True)
+        assert_close(jax.jit(summed)(xs), jnp.sum(rows(x), 0), terms=17)
+        with pytest.raises(ValueError, match=r"microbatch_size=60 is not a multiple of the 8"):
+            micro_vmap(rows, microbatch_size=60, allow_remainder=True)(xs)
 
 
 # --- MAX and MIN ---------------------------------------------------------------------------

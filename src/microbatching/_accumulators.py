@@ -275,7 +275,14 @@ def concat(num_microbatches: int, remainder: int = 0, microbatch_size: int = 0) 
         return jnp.broadcast_to(zeros, (s.shape[0], n, *s.shape[1:]))
 
     def update(carry: jax.Array, x: jax.Array, i: Any) -> jax.Array:
-        if remainder and x.ndim and x.shape[0] != carry.shape[0]:  # the remainder alone
+        if remainder and x.ndim and isinstance(i, int) and i == full:  # the remainder alone
+            if x.shape[0] > carry.shape[0]:
+                raise ValueError(
+                    f"CONCAT got {x.shape[0]} rows from fun on the last {remainder} rows of "
+                    f"the batch, more than the {carry.shape[0]} of a whole microbatch; with "
+                    "allow_remainder, fun's CONCAT outputs may not have more rows on fewer "
+                    "inputs."
+                )
             tail["rows"] = x.shape[0]
             padding = [(0, carry.shape[0] - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
             x = jnp.pad(x, padding)

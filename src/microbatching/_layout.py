@@ -206,10 +206,21 @@ def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Ar
     """
     shape = leaf.shape
     new_shape = (*shape[:axis], microbatch_size, shape[axis] // microbatch_size, *shape[axis + 1 :])
-    sharding = _sharding.explicit_sharding(leaf)
+    sharding = check_shards(leaf, axis, microbatch_size, label)
     if sharding is None:
         return jnp.reshape(leaf, new_shape)
     spec = _sharding.spec_of(sharding, len(shape))
+    out = _sharding.with_spec(sharding, [*spec[:axis], spec[axis], None, *spec[axis + 1 :]])
+    return jnp.reshape(leaf, new_shape, out_sharding=out)
+
+
+def check_shards(leaf: Any, axis: int, microbatch_size: int, label: str) -> Any:
+    """``leaf``'s explicit sharding, if any, checked: its batch axis's shards must divide
+    ``microbatch_size``, so that each device holds whole rows of every microbatch."""
+    sharding = _sharding.explicit_sharding(leaf)
+    if sharding is None:
+        return None
+    spec = _sharding.spec_of(sharding, leaf.ndim)
     shards = _sharding.num_shards(sharding, spec[axis])
     if microbatch_size % shards:
         raise ValueError(
@@ -217,8 +228,7 @@ def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Ar
             f"`{label}` (sharded over mesh axis {spec[axis]!r}), so each microbatch would need "
             f"rows from other devices; use a microbatch_size divisible by {shards}."
         )
-    out = _sharding.with_spec(sharding, [*spec[:axis], spec[axis], None, *spec[axis + 1 :]])
-    return jnp.reshape(leaf, new_shape, out_sharding=out)
+    return sharding
 
 
 def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
@@ -240,8 +250,21 @@ def rows(index: Any, full: int, remainder: int, size: int) -> tuple[jax.Array, j
 
 
 def take_rows(leaf: Any, axis: int, indices: jax.Array) -> jax.Array:
-    """The rows ``indices`` of ``leaf``'s batch axis, gathered in place."""
-    return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)
+    """The rows ``indices`` of ``leaf``'s batch axis, gathered in place.
+
+    Under an Explicit mesh the rows come out sharded as the batch axis is; they are on
+    other devices than the batch's rows, so the gather moves them there.
+    """
+    sharding = _sharding.explicit_sharding(leaf)
+    if sharding is None:
+        return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)
+    spec = _sharding.spec_of(sharding, leaf.ndim)
+    entry = (
+        spec[axis] if indices.shape[0] % _sharding.num_shards(sharding, spec[axis]) == 0 else None
+    )
+    out = _sharding.with_spec(sharding, [*spec[:axis], entry, *spec[axis + 1 :]])
+    where = (slice(None),) * axis + (indices,)
+    return leaf.at[where].get(mode="clip", indices_are_sorted=True, out_sharding=out)
 
 
 def kept_row(

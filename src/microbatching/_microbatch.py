@@ -293,6 +293,8 @@ class Loop:
                 return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
 
         else:
+            for i, ax in zip(batched, axes, strict=True):
+                _layout.check_shards(batch.leaves[i], ax, size, batch.labels[i])
 
             def read(index: Any) -> list[Any]:
                 rows, valid = _layout.rows(index, batch.full, batch.remainder, size)
@@ -331,11 +333,8 @@ class Loop:
     def remainder(self) -> list[Any]:
         """The batched leaves of the last rows, for ``fun`` called on them alone."""
         batch = self.batch
-        start = batch.full * self.size
-        return [
-            jax.lax.slice_in_dim(batch.leaves[i], start, batch.size, axis=batch.axes[i] or 0)
-            for i in batch.batched
-        ]
+        rows = jax.numpy.arange(batch.full * self.size, batch.size)
+        return [_layout.take_rows(batch.leaves[i], batch.axes[i] or 0, rows) for i in batch.batched]
 
 
 def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | None) -> Any:

@@ -29,7 +29,7 @@ class PlanRow:
 
     Attributes:
       microbatch_size: The candidate; None runs the whole batch without microbatching.
-      num_microbatches: ``batch_size // microbatch_size`` (1 for None).
+      num_microbatches: ``ceil(batch_size / microbatch_size)`` (1 for None).
       temp_bytes: The compiled program's scratch memory (``temp_size_in_bytes``).
       total_bytes: ``temp + arguments + outputs - aliases`` from the compiled program's
         memory analysis: what one call needs on a device (per device when sharded). The
@@ -113,6 +113,7 @@ def plan(
     candidates: Sequence[int | None] | None = None,
     batch_size: int | None = None,
     safety_margin: float = 0.9,
+    allow_remainder: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Picks the largest microbatch size whose compiled program fits in memory.
@@ -143,6 +144,9 @@ def plan(
       safety_margin: The fraction of the device's limit to plan for when
         ``memory_budget`` is None, in (0, 1]. It leaves room for fragmentation, other
         buffers and the generated code.
+      allow_remainder: Whether ``build``'s function takes sizes that do not divide the
+        batch (it passes ``allow_remainder=True`` to the transform). Candidates then need
+        not divide the batch size, and the default candidates add the powers of two.
       **kwargs: Example keyword arguments of that function, as ``*args``.
 
     Returns:
@@ -169,7 +173,8 @@ def plan(
     _checks.ensure_callable("build", build)
     labels, specs, treedef = _specs(args, kwargs)
     size = _batch_size(batch_size, labels, specs)
-    sizes = _candidates(candidates, size)
+    remainder = _checks.ensure_bool("allow_remainder", allow_remainder)
+    sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
     measured = _measure_all(build, treedef, specs, size, sizes)
     table = tuple(PlanRow(*m, fits=m[3] <= budget) for m in measured)
@@ -248,10 +253,15 @@ def _batch_size(batch_size: Any, labels: list[str], specs: list[jax.ShapeDtypeSt
     return sizes.pop()
 
 
-def _candidates(candidates: Any, batch_size: int) -> tuple[int | None, ...]:
+def _candidates(
+    candidates: Any, batch_size: int, remainder: bool = False
+) -> tuple[int | None, ...]:
     """The candidate sizes, checked against ``batch_size``, ascending with None last."""
     if candidates is None:
-        return tuple(d for d in range(1, batch_size + 1) if batch_size % d == 0)
+        sizes = {d for d in range(1, batch_size + 1) if batch_size % d == 0}
+        if remainder:
+            sizes |= {2**k for k in range(batch_size.bit_length()) if 2**k <= batch_size}
+        return tuple(sorted(sizes))
     if not isinstance(candidates, Sequence) or isinstance(candidates, str) or not candidates:
         raise TypeError(
             f"candidates must be a non-empty sequence of microbatch sizes (positive "
@@ -259,14 +269,14 @@ def _candidates(candidates: Any, batch_size: int) -> tuple[int | None, ...]:
             "candidates=[8, 16, 32], or leave it None to try every divisor of the batch size."
         )
     for i, m in enumerate(candidates):
-        _check_candidate(i, m, batch_size)
+        _check_candidate(i, m, batch_size, remainder)
     sizes = [None if m is None else operator.index(m) for m in candidates]
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"candidates must not repeat a size, got {candidates=}.")
     return (*sorted(m for m in sizes if m is not None), *(None for m in sizes if m is None))
 
 
-def _check_candidate(i: int, m: Any, batch_size: int) -> None:
+def _check_candidate(i: int, m: Any, batch_size: int, remainder: bool) -> None:
     if m is None:
         return
     if not _checks.is_int(m):
@@ -274,11 +284,17 @@ def _check_candidate(i: int, m: Any, batch_size: int) -> None:
             f"candidates[{i}] must be a positive int or None, got {m!r} of type "
             f"{type(m).__name__}; pass microbatch sizes such as 8."
         )
-    if operator.index(m) < 1 or batch_size % operator.index(m):
+    if operator.index(m) < 1:
+        raise ValueError(
+            f"candidates[{i}] must be a positive int or None, got {m!r}; pass microbatch "
+            "sizes such as 8."
+        )
+    if batch_size % operator.index(m) and not remainder:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
         raise ValueError(
             f"candidates[{i}]={m} does not divide {batch_size=}; a microbatch size must, "
-            f"so choose among {divisors}."
+            f"so choose among {divisors}, or pass allow_remainder=True if build's function "
+            "passes it to the transform."
         )
 
 
@@ -375,7 +391,7 @@ def _measure(
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
     )
-    n = 1 if m is None else batch_size // m
+    n = 1 if m is None else -(-batch_size // m)
     return m, n, memory.temp_size_in_bytes, total, _flops(compiled, n)
 
 
