@@ -130,7 +130,7 @@ def test_unequal_batch_sizes_lists_every_argument():
 def test_batch_not_divisible():
     expected = (
         r"The batch size 8 is not divisible by microbatch_size=3\. Pass allow_remainder=True to "
-        r"run 2 microbatches of 3 rows and one of the last 2, or a microbatch_size that "
+        r"run 2 microbatches of 3 rows and one of the last 2; or use a microbatch_size that "
         r"divides 8, such as one of \[2, 4\]\."
     )
     with pytest.raises(ValueError, match=expected):
@@ -148,8 +148,8 @@ def test_batch_not_divisible_by_a_prime_size_says_so():
     # Issue 8: 10007 is prime; the old advice listed [1, 10007].
     expected = (
         r"The batch size 10007 is not divisible by microbatch_size=64\. Pass allow_remainder=True "
-        r"to run 156 microbatches of 64 rows and one of the last 23, \(10007 is prime: no "
-        r"microbatch_size but 1 and 10007 divides it\)\. To keep one compiled shape for batches "
+        r"to run 156 microbatches of 64 rows and one of the last 23 \(10007 is prime: only 1 "
+        r"and 10007 divide it\)\. To keep one compiled shape for batches "
         r"of varying size, pad them to a fixed size and pass example_weights that are 0 on the "
         r"padding rows\."
     )

@@ -381,6 +381,34 @@ def test_integer_outputs_with_masks_and_weights():
     assert_close(total, 0.5 * float(jnp.sum(x[:9] * x[:9])))
 
 
+def test_integer_weights_keep_integer_sums_exact():
+    x = jnp.full(3, 2**24 + 1, jnp.int32)  # not a float32
+    identity = lambda v: v  # noqa: E731
+    total = micro_vmap(identity, microbatch_size=2, accumulator=SUM, allow_remainder=True)
+    got = total(x, example_weights=jnp.asarray([1, 2, 0], jnp.int32))
+    assert jnp.issubdtype(got.dtype, jnp.integer) and int(got) == 3 * (2**24 + 1)
+    # narrow float weights on integers give float32 sums, not bfloat16 ones
+    ones = total(jnp.ones(1001, jnp.int32), example_weights=jnp.ones(1001, jnp.bfloat16))
+    assert ones.dtype == F32 and float(ones) == 1001.0
+
+
+def test_the_gradient_with_respect_to_the_weights():
+    # d/dw_b of SUM is y_b where w_b != 0; a weight of exactly 0 is a mask, and its
+    # example is never evaluated, so its derivative is 0. Multiply inside fun to
+    # differentiate at 0 (learning to reweight).
+    x = random_array(0, (10, 3), F32)
+    weights = jnp.asarray([0.5, 0, 1, 2, 0, 1, 1, 0.5, 1, 3], F32)
+    total = micro_vmap(rows, microbatch_size=4, accumulator=SUM, allow_remainder=True)
+    got = jax.grad(lambda w: jnp.sum(total(x, example_weights=w)))(weights)
+    want = jnp.where(weights != 0, jnp.sum(rows(x), axis=1), 0)
+    assert_close(got, want)
+    inside = micro_vmap(
+        lambda x, w: w * rows(x), microbatch_size=4, accumulator=SUM, allow_remainder=True
+    )
+    got = jax.grad(lambda w: jnp.sum(inside(x, w)))(weights)
+    assert_close(got, jnp.sum(rows(x), axis=1))
+
+
 def test_integer_weights_are_counts():
     x = random_array(0, (8, 3), F32)
     counts = jnp.asarray([3, 0, 1, 7, 2, 2, 0, 1], jnp.int32)  # e.g. tokens per example
@@ -531,13 +559,23 @@ def test_a_remainder_on_an_explicit_mesh():
 
     x = random_array(0, (1032, 3), F32)  # 16 microbatches of 64 and one of 8
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    moved = (
+        r"allow_remainder on a batch sharded over 8 devices: with a remainder of 8 rows the "
+        r"microbatches no longer line up with the shards, so each microbatch's rows are gathered "
+        r"across devices\. To keep every row on its device, pad the batch to a multiple of "
+        r"microbatch_size \(a multiple of 8\)"
+    )
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("data")))
         for kind in (SUM, MEAN, MAX, CONCAT):
             mapped = micro_vmap(rows, microbatch_size=64, accumulator=kind, allow_remainder=True)
-            assert_close(jax.jit(mapped)(xs), weighted(kind, rows(x)), terms=17)
+            with pytest.warns(UserWarning, match=moved + r" and pass example_weights that are 0"):
+                got = jax.jit(mapped)(xs)
+            assert_close(got, weighted(kind, rows(x)), terms=17)
         summed = microbatch(lambda x: jnp.sum(rows(x), 0), 0, 64, SUM, allow_remainder=True)
-        assert_close(jax.jit(summed)(xs), jnp.sum(rows(x), 0), terms=17)
+        with pytest.warns(UserWarning, match=moved + r"\.$"):
+            got = jax.jit(summed)(xs)
+        assert_close(got, jnp.sum(rows(x), 0), terms=17)
         with pytest.raises(ValueError, match=r"microbatch_size=60 is not a multiple of the 8"):
             micro_vmap(rows, microbatch_size=60, allow_remainder=True)(xs)
 
@@ -676,6 +714,33 @@ def test_max_of_complex_results():
         r"complex64; take the real part or the modulus inside fun\.",
     ):
         micro_vmap(lambda x: x * 1j, microbatch_size=2, accumulator=MAX)(jnp.ones(4, F32))
+
+
+def test_microbatch_takes_no_example_weights():
+    with pytest.raises(
+        TypeError,
+        match=r"rows\(x, w\) was called with example_weights=, which microbatch passes on to "
+        r"fun, and fun has no such parameter; per-example weights are a keyword of the "
+        r"functions that micro_vmap and micro_grad return\.",
+    ):
+        microbatch(rows, 0, 4)(jnp.ones((8, 3)), example_weights=jnp.ones(8))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"l2_clip_norm": 1.0}, {"transform_fn": lambda g: g}, {"accumulator": MAX}],
+    ids=["fast", "clipped", "per-example", "max"],
+)
+def test_a_loss_that_is_not_scalar_per_example(options):
+    def loss(params, x):
+        return jnp.tanh(x @ params)  # one value per output, not a scalar
+
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad needs fun to return a scalar loss per example, but it returned shape "
+        r"\(1, 4\) for each; reduce it to a scalar in fun\.",
+    ):
+        micro_grad(loss, microbatch_size=2, **options)(W, jnp.ones((4, 3)))
 
 
 def test_allow_remainder_must_be_a_bool():

@@ -465,8 +465,8 @@ def weighted_aggregate(
             return _layout.reduce_rows(rows, how, x.dtype, x.dtype, mesh_axes)
         how = "sum" if kind is AccumulationType.SUM else "mean"
         dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
-        if weights.dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.inexact):
-            dtype = weights.dtype  # integers weighted by floats: a float sum
+        if jnp.issubdtype(weights.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(weights.dtype, jnp.float32)  # integers by floats: floats
         wide = accumulation_dtype(dtype, requested)
         rows = x.astype(wide)
         if weights.dtype != jnp.bool_:

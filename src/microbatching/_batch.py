@@ -114,6 +114,14 @@ def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any
     for where in binding.required:
         if where not in given:
             raise TypeError(_missing(binding, where, args, kwargs))
+    sig = binding.signature
+    if WEIGHTS in kwargs and not binding.weights and sig is not None and not sig.takes(WEIGHTS):
+        raise TypeError(
+            f"{binding.fun_name}{sig.describe()} was called with {WEIGHTS}=, which "
+            f"{binding.transform} passes on to fun, and fun has no such parameter; "
+            "per-example weights are a keyword of the functions that micro_vmap and "
+            "micro_grad return."
+        )
     for name, value in kwargs.items():
         if name not in binding.names and binding.position(name) is None:
             _check_mapped_keyword(binding, name, value)
@@ -185,9 +193,9 @@ def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int)
         divisors = [d for d in range(2, batch_size) if batch_size % d == 0]
         nearest = sorted(sorted(divisors, key=lambda d: abs(d - microbatch_size))[:4])
         sizes = (
-            f"or a microbatch_size that divides {batch_size}, such as one of {nearest}"
+            f"; or use a microbatch_size that divides {batch_size}, such as one of {nearest}"
             if nearest
-            else f"({batch_size} is prime: no microbatch_size but 1 and {batch_size} divides it)"
+            else f" ({batch_size} is prime: only 1 and {batch_size} divide it)"
         )
         padding = (
             " To keep one compiled shape for batches of varying size, pad them to a fixed "
@@ -198,7 +206,7 @@ def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int)
         raise ValueError(
             f"The batch size {batch_size} is not divisible by {microbatch_size=}. Pass "
             f"allow_remainder=True to run {n} {'microbatch' if n == 1 else 'microbatches'} "
-            f"of {microbatch_size} rows and one of the last {r}, {sizes}.{padding}"
+            f"of {microbatch_size} rows and one of the last {r}{sizes}.{padding}"
         )
     return batch_size // microbatch_size
 

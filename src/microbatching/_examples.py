@@ -102,7 +102,13 @@ class Examples:
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out = self.fun(*args, **kwargs)
-        return out if self.has_aux else (out, None)
+        value, aux = out if self.has_aux else (out, None)
+        if jnp.ndim(value) != 0:
+            raise TypeError(
+                "micro_grad needs fun to return a scalar loss per example, but it returned "
+                f"shape {jnp.shape(value)} for each; reduce it to a scalar in fun."
+            )
+        return value, aux
 
     def check_differentiable(self, args: tuple[Any, ...]) -> None:
         """Raises a TypeError with a fix for a non-array leaf in a differentiated argument."""
@@ -197,11 +203,6 @@ def summed(
 
         def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
             values, aux = losses(*args, **kwargs)
-            if jnp.ndim(values) != 1:
-                raise TypeError(
-                    "micro_grad needs fun to return a scalar loss per example, but it returned "
-                    f"shape {jnp.shape(values)[1:]} for each; reduce it to a scalar in fun."
-                )
             weighted = values if factors is None else values * factors.astype(values.dtype)
             if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
                 if given.dtype != jnp.bool_:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +193,8 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
             if m is None:  # example_weights without microbatching: one microbatch of all
                 m = max(batch.size, 1)
                 batch = _batch.locate(axes, args, kwargs, m, None)
+            if batch.remainder:
+                _warn_if_sharded(batch, m, settings.mesh_axes, axes)
             if batch.remainder and padded and not given:
                 kwargs = {**kwargs, WEIGHTS: jax.numpy.ones(batch.size, bool)}
                 batch = _batch.locate(axes, args, kwargs, m, count, True)
@@ -209,9 +212,30 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
     return looped
 
 
+def _warn_if_sharded(batch: Batch, size: int, mesh_axes: Any, axes: BatchAxes) -> None:
+    """A remainder on a sharded batch works, but moves each microbatch between devices.
+
+    (A microbatch size that the shards do not divide is an error, raised later.)
+    """
+    for i in batch.batched:
+        where = _layout.shards(batch.leaves[i], batch.axes[i] or 0, mesh_axes)
+        if where is not None and size % where.count == 0:
+            padding = (
+                " and pass example_weights that are 0 on the padding rows" if axes.weights else ""
+            )
+            warnings.warn(
+                f"allow_remainder on a batch sharded over {where.count} devices: with a "
+                f"remainder of {batch.remainder} rows the microbatches no longer line up with "
+                "the shards, so each microbatch's rows are gathered across devices. To keep "
+                "every row on its device, pad the batch to a multiple of microbatch_size (a "
+                f"multiple of {where.count}){padding}.",
+                stacklevel=2,
+            )
+            return
+
+
 def _weights(weights: Any, axes: BatchAxes) -> jax.Array:
-    """``example_weights`` checked: one bool, integer or float per example; integers
-    become float32."""
+    """``example_weights`` checked: one bool, integer or float per example."""
     shape, dtype = getattr(weights, "shape", None), getattr(weights, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(
@@ -224,10 +248,8 @@ def _weights(weights: Any, axes: BatchAxes) -> jax.Array:
             f"{tuple(shape)}; pass a vector, e.g. {WEIGHTS}=mask.reshape(-1)."
         )
     kind = np.dtype(dtype)
-    if kind == np.bool_ or jax.numpy.issubdtype(kind, jax.numpy.floating):
+    if kind == np.bool_ or any(jax.numpy.issubdtype(kind, t) for t in (np.integer, np.floating)):
         return jax.numpy.asarray(weights)
-    if jax.numpy.issubdtype(kind, jax.numpy.integer):
-        return jax.numpy.asarray(weights, jax.numpy.float32)
     raise TypeError(
         f"{WEIGHTS} of {axes.transform} must be bool, integer or floating, got dtype {kind}; "
         "pass real weights, or a boolean mask."

@@ -54,6 +54,10 @@ class Signature:
             var_keyword=any(p.kind == kind.VAR_KEYWORD for p in params),
         )
 
+    def takes(self, name: str) -> bool:
+        """Whether a keyword argument ``name`` binds to a parameter (or ``**kwargs``)."""
+        return name in self.keyword or self.var_keyword
+
     def describe(self) -> str:
         """``(x, y, *, z)``-like text for error messages."""
         names = list(self.positional) + sorted(self.keyword - set(self.positional))
