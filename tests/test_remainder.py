@@ -723,7 +723,7 @@ def test_microbatch_takes_no_example_weights():
         r"fun, and fun has no such parameter; per-example weights are a keyword of the "
         r"functions that micro_vmap and micro_grad return\.",
     ):
-        microbatch(rows, 0, 4)(jnp.ones((8, 3)), example_weights=jnp.ones(8))
+        microbatch(rows, 0, 4)(jnp.ones((8, 3)), example_weights=jnp.ones(8))  # pyright: ignore[reportCallIssue]
 
 
 @pytest.mark.parametrize(
