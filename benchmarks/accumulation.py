@@ -294,43 +294,53 @@ def auto_mesh() -> str:
     )
 
 
-def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(description="Gradient accumulation benchmarks.")
+Parts = Callable[[bool, int], list[Callable[[], str]]]
+
+
+def report(argv: Sequence[str], script: str, title: str, results: Path, parts: Parts) -> None:
+    """Runs ``parts(quick, reps)`` in order, prints each table and writes them to ``results``."""
+    parser = argparse.ArgumentParser(description=title)
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 reps, prints only")
     parser.add_argument("--reps", type=int, help="timed repetitions (default 21, quick 3)")
-    parser.add_argument("--output", type=Path, help=f"markdown file (default {RESULTS})")
+    parser.add_argument("--output", type=Path, help=f"markdown file (default {results})")
     options = parser.parse_args(argv)
     quick = options.quick
     reps = options.reps or (3 if quick else 21)
     start = time.perf_counter()
     sections = [
-        "# Gradient accumulation: measured",
+        f"# {title}: measured",
         "",
-        f"`{' '.join(['python', 'benchmarks/accumulation.py', *argv])}` on "
+        f"`{' '.join(['python', f'benchmarks/{script}', *argv])}` on "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {reps} interleaved repetitions.",
     ]
-    parts = [
-        lambda: grad_through_memory(256, [1024, 4096] if quick else [1024, 16384, 65536]),
-        lambda: ways_table(1024 if quick else 4096, 256, reps),
-        lambda: fast_path(1024 if quick else 4096, [64, 256, 1024], reps),
-        lambda: clipping(
-            256 if quick else 1024,
-            [16, 64, 256],
-            [[256, 512, 512, 10], [64, 256, 10]],
-            max(3, reps // 4),  # clipping in transform_fn takes seconds a call
-        ),
-        precision,
-        lambda: eager_calls(reps),
-        auto_mesh,
-    ]
-    for part in parts:
+    for part in parts(quick, reps):
         sections += ["", part()]
         print(sections[-1], "\n", flush=True)
     sections += ["", f"Total time {time.perf_counter() - start:.0f} s."]
-    output = options.output or (None if quick else RESULTS)
+    output = options.output or (None if quick else results)
     if output is not None:
         output.write_text("\n".join(sections) + "\n")
         print(f"Wrote {output}.")
+
+
+def main(argv: Sequence[str]) -> None:
+    def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
+        return [
+            lambda: grad_through_memory(256, [1024, 4096] if quick else [1024, 16384, 65536]),
+            lambda: ways_table(1024 if quick else 4096, 256, reps),
+            lambda: fast_path(1024 if quick else 4096, [64, 256, 1024], reps),
+            lambda: clipping(
+                256 if quick else 1024,
+                [16, 64, 256],
+                [[256, 512, 512, 10], [64, 256, 10]],
+                max(3, reps // 4),  # clipping in transform_fn takes seconds a call
+            ),
+            precision,
+            lambda: eager_calls(reps),
+            auto_mesh,
+        ]
+
+    report(argv, "accumulation.py", "Gradient accumulation", RESULTS, parts)
 
 
 if __name__ == "__main__":

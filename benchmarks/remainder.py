@@ -21,11 +21,10 @@ Usage: ``python benchmarks/remainder.py [--quick] [--reps N] [--output PATH]``.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from accumulation import (  # benchmarks/ is on sys.path when run as a script
     mlp,
     ms,
     ratio,
+    report,
 )
 
 import microbatching as mb
@@ -221,34 +221,15 @@ def gradients(rows: int, size: int, reps: int) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(description="Uneven and padded batches.")
-    parser.add_argument("--quick", action="store_true", help="small sizes, 3 reps, prints only")
-    parser.add_argument("--reps", type=int, help="timed repetitions (default 21, quick 3)")
-    parser.add_argument("--output", type=Path, help=f"markdown file (default {RESULTS})")
-    options = parser.parse_args(argv)
-    quick = options.quick
-    reps = options.reps or (3 if quick else 21)
-    start = time.perf_counter()
-    sections = [
-        "# Uneven and padded batches: measured",
-        "",
-        f"`{' '.join(['python', 'benchmarks/remainder.py', *argv])}` on "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {reps} interleaved repetitions.",
-    ]
-    parts = [
-        lambda: old_advice(1797, 64, 4096),
-        lambda: evaluation([64, 128, 10], 1797, 64, reps),
-        lambda: evaluation([784, 512, 512, 10], 4100 if quick else 16484, 256, reps),
-        lambda: gradients(1124 if quick else 4196, 256, max(3, reps // 3)),
-    ]
-    for part in parts:
-        sections += ["", part()]
-        print(sections[-1], "\n", flush=True)
-    sections += ["", f"Total time {time.perf_counter() - start:.0f} s."]
-    output = options.output or (None if quick else RESULTS)
-    if output is not None:
-        output.write_text("\n".join(sections) + "\n")
-        print(f"Wrote {output}.")
+    def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
+        return [
+            lambda: old_advice(1797, 64, 4096),
+            lambda: evaluation([64, 128, 10], 1797, 64, reps),
+            lambda: evaluation([784, 512, 512, 10], 4100 if quick else 16484, 256, reps),
+            lambda: gradients(1124 if quick else 4196, 256, max(3, reps // 3)),
+        ]
+
+    report(argv, "remainder.py", "Uneven and padded batches", RESULTS, parts)
 
 
 if __name__ == "__main__":

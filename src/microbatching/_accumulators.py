@@ -401,18 +401,8 @@ def combine(
         for s in specs
     ]
 
-    def split(tree: PyTree) -> list[Any]:
-        try:
-            return treedef.flatten_up_to(tree)
-        except (ValueError, TypeError) as err:
-            raise ValueError(
-                f"The accumulator structure {treedef} is not a pytree prefix of fun's output "
-                f"structure {jax.tree.structure(tree)}; give one accumulator, or a tree that "
-                "matches the output down to where each accumulator applies."
-            ) from err
-
     def each(fn: Callable[..., Any], *trees: PyTree) -> PyTree:
-        parts = [split(t) for t in trees]
+        parts = [_split(treedef, t) for t in trees]
         return treedef.unflatten([fn(a, *p) for a, *p in zip(accs, *parts, strict=True)])
 
     return Accumulator(
@@ -421,6 +411,18 @@ def combine(
         finalize=lambda carry: each(lambda a, c: a.finalize(c), carry),
         aggregate=lambda tree: each(lambda a, t: a.aggregate(t), tree),
     )
+
+
+def _split(treedef: Any, tree: PyTree) -> list[Any]:
+    """``tree`` cut into the subtrees that the accumulator tree's leaves apply to."""
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"The accumulator structure {treedef} is not a pytree prefix of fun's output "
+            f"structure {jax.tree.structure(tree)}; give one accumulator, or a tree that "
+            "matches the output down to where each accumulator applies."
+        ) from err
 
 
 def is_custom(accumulator: Any) -> bool:
@@ -445,14 +447,7 @@ def weighted_aggregate(
     does not reach the result.
     """
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
-    try:
-        parts = treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"The accumulator structure {treedef} is not a pytree prefix of fun's output "
-            f"structure {jax.tree.structure(tree)}; give one accumulator, or a tree that "
-            "matches the output down to where each accumulator applies."
-        ) from err
+    parts = _split(treedef, tree)
     keep = weights if weights.dtype == jnp.bool_ else weights != 0
 
     def one(kind: Any, x: jax.Array) -> Any:
