@@ -743,6 +743,26 @@ def test_a_loss_that_is_not_scalar_per_example(options):
         micro_grad(loss, microbatch_size=2, **options)(W, jnp.ones((4, 3)))
 
 
+def test_a_batch_smaller_than_the_microbatch():
+    with pytest.raises(
+        ValueError,
+        match=r"The batch size 4 is smaller than microbatch_size=10\. Pass allow_remainder=True "
+        r"to run it as one microbatch, padded to 10 rows where the transform pads; or pass "
+        r"microbatch_size=4, or None for no microbatching\.",
+    ):
+        micro_vmap(rows, microbatch_size=10)(jnp.ones((4, 3)))
+    got = micro_vmap(rows, microbatch_size=10, accumulator=MEAN, allow_remainder=True)(
+        jnp.ones((4, 3))
+    )
+    assert_close(got, jnp.mean(rows(jnp.ones((4, 3))), 0))
+
+
+def test_example_weights_none_means_no_weights():
+    x = random_array(0, (6, 3), F32)
+    mapped = micro_vmap(rows, microbatch_size=4, accumulator=SUM, allow_remainder=True)
+    np.testing.assert_array_equal(mapped(x, example_weights=None), mapped(x))
+
+
 def test_allow_remainder_must_be_a_bool():
     with pytest.raises(
         TypeError,

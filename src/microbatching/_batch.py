@@ -188,6 +188,13 @@ def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
 
 def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int) -> int:
     """The number of microbatches, or a ValueError naming both sizes and the fixes."""
+    if 0 < batch_size < microbatch_size:
+        raise ValueError(
+            f"The batch size {batch_size} is smaller than {microbatch_size=}. Pass "
+            f"allow_remainder=True to run it as one microbatch, padded to {microbatch_size} "
+            f"rows where the transform pads; or pass microbatch_size={batch_size}, or None "
+            "for no microbatching."
+        )
     if batch_size % microbatch_size:
         n, r = divmod(batch_size, microbatch_size)
         divisors = [d for d in range(2, batch_size) if batch_size % d == 0]

@@ -182,6 +182,8 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
         with jax.named_scope(name):
             if size is None and axes.transform == "microbatch":
                 return fun(*args, **kwargs)
+            if axes.weights and WEIGHTS in kwargs and kwargs[WEIGHTS] is None:
+                kwargs = {k: v for k, v in kwargs.items() if k != WEIGHTS}
             given = axes.weights and WEIGHTS in kwargs
             if given:
                 kwargs = {**kwargs, WEIGHTS: _weights(kwargs[WEIGHTS], axes)}
