@@ -527,7 +527,7 @@ def test_evaluation_of_1797_rows_at_microbatch_64():
     assert float(hits(features, labels)) == float(jnp.sum(jax.vmap(correct)(features, labels)))
 
 
-def test_sharded_weights_and_remainder_move_no_batch_data():
+def test_sharded_weights_move_no_batch_data():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -30,12 +30,13 @@ class AccumulationType(enum.Enum):
 
     MEAN = 1
     """The sum of the microbatch results divided by the number of microbatches (NaN for
-    an empty batch)."""
+    an empty batch). With a remainder each microbatch counts for its rows, and with
+    ``example_weights`` the result is ``sum(w * y) / sum(w)``."""
     SUM = 2
     """The sum of the microbatch results."""
     RUNNING_MEAN = 3
-    """The mean of the microbatch results that ran (see ``num_real_microbatches``); 0
-    when none ran (as in optax), NaN for an empty batch."""
+    """The mean of the microbatch results that ran (see ``num_real_microbatches``), 0
+    when none ran (as in optax); weighted as MEAN is."""
     CONCAT = 4
     """The microbatch results joined along axis 0, in the original row order."""
     MAX = 5

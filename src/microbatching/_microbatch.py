@@ -70,7 +70,9 @@ def microbatch(
       num_real_microbatches: Run only microbatches ``0 .. k-1``. An int is checked
         against the number of microbatches; a traced integer is clipped to it and can
         change without recompiling. CONCAT rows of skipped microbatches are zero;
-        MEAN still divides by the total number of microbatches, RUNNING_MEAN by ``k``.
+        MEAN still divides by the whole batch (all its microbatches, rows or weights),
+        RUNNING_MEAN by the part that ran. Microbatch ``i`` holds strided rows, so
+        this does not keep "the first ``k * microbatch_size`` rows".
       accumulation_dtype: The dtype in which the built-in reductions (SUM, MEAN,
         RUNNING_MEAN) accumulate floating results. None, the default, accumulates
         floats narrower than 32 bits in float32. The result keeps ``fun``'s dtype.
