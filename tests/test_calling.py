@@ -428,8 +428,11 @@ def test_micro_vmap_keyword_past_the_in_axes_is_mapped_by_the_vmap_rule():
 def test_wrapped_functions_keep_the_signature_of_fun():
     import inspect
 
-    for wrapped in [microbatch(loss, 1, 2), micro_vmap(loss, (None, 0)), micro_grad(loss)]:
-        assert str(inspect.signature(wrapped)) == "(params, x)"
+    assert str(inspect.signature(microbatch(loss, 1, 2))) == "(params, x)"
+    # micro_vmap and micro_grad take example_weights themselves (issue 8)
+    for wrapped in [micro_vmap(loss, (None, 0)), micro_grad(loss)]:
+        assert str(inspect.signature(wrapped)) == "(params, x, *, example_weights=None)"
+        inspect.signature(wrapped).bind(W, A, example_weights=jnp.ones(8))
     nested = micro_grad(microbatch(loss, 1, 1), batch_argnums=1, microbatch_size=4)
     assert_close(nested(W, x=A)[0], micro_grad(loss, microbatch_size=4)(W, A)[0], terms=8)
 

@@ -359,6 +359,43 @@ def test_all_weights_zero_gives_zero_sums_and_identity_extrema():
         np.testing.assert_array_equal(np.asarray(leaf), 0)
 
 
+def test_all_weights_zero_gives_zero_gradients_through_micro_vmap():
+    # fun is NaN on the zero rows; with no example kept, fun must not run at all.
+    fun = lambda p, x: jnp.sum(p * x) / jnp.linalg.norm(x)  # noqa: E731
+    zeros, mask = jnp.zeros((8, 3), F32), jnp.zeros(8, bool)
+    for options in [{"microbatch_size": 4}, {"microbatch_size": 3, "allow_remainder": True}, {}]:
+        mapped = micro_vmap(fun, (None, 0), accumulator=SUM, **options)
+        grad = jax.grad(lambda p: mapped(p, zeros, example_weights=mask))(jnp.ones(3, F32))  # noqa: B023
+        np.testing.assert_array_equal(np.asarray(grad), 0)
+
+
+def test_nested_transforms_and_signature_binding_with_weights():
+    import inspect
+
+    inner = micro_vmap(lambda p, r: jnp.sum(jnp.sin(r * p)), (None, 0), accumulator=SUM)
+    outer = micro_grad(inner, batch_argnums=1, microbatch_size=2, allow_remainder=True)
+    x, w = jnp.arange(5.0, dtype=F32)[:, None, None], jnp.asarray([1, 0, 1, 1, 0.5], F32)
+    got, _ = outer(jnp.float32(1.0), x, example_weights=w)
+    assert_close(got, jnp.sum(w * jnp.cos(x[:, 0, 0]) * x[:, 0, 0]))
+    assert "example_weights" in inspect.signature(outer).parameters
+    donated = jax.jit(outer, donate_argnames="example_weights")
+    assert_close(donated(jnp.float32(1.0), x, example_weights=jnp.array(w))[0], got)
+
+
+def test_weights_sharded_with_a_microbatch_the_shards_do_not_divide():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((20, 3), F32), NamedSharding(mesh, P("b")))
+        w = jax.device_put(jnp.ones(20, F32), NamedSharding(mesh, P("b")))
+        with pytest.raises(
+            ValueError, match=r"microbatch_size=5 is not a multiple of the 4 shards"
+        ):
+            micro_vmap(rows, microbatch_size=5, accumulator=SUM)(x, example_weights=w)
+
+
 def test_integer_outputs_with_masks_and_weights():
     x = jnp.arange(10, dtype=jnp.int32) - 4
     mask = jnp.asarray([1, 1, 0, 1, 0, 1, 1, 1, 0, 1], bool)

@@ -89,6 +89,22 @@ def test_second_eager_call_does_not_trace_again():
     assert traces == [2.0, 3.0]
 
 
+def test_eager_calls_key_python_numbers_by_type_and_sign():
+    add = microbatch(lambda x, s: jnp.sum(x) + s, 0, 4)
+    x = jnp.arange(8)
+    ints, floats = add(x, 1), add(x, 1.0)
+    assert jnp.issubdtype(ints.dtype, jnp.integer) and jnp.issubdtype(floats.dtype, jnp.floating)
+    sign = microbatch(lambda x, s: jnp.copysign(1.0, s) * jnp.sum(x), 0, 4)
+    assert float(sign(x, 0.0)) == 28.0 and float(sign(x, -0.0)) == -28.0
+
+
+def test_progress_reaches_the_remainder_last(capsys):
+    fun = microbatch(jnp.sum, 0, 4, progress=True, allow_remainder=True)
+    jax.block_until_ready(jax.jit(fun)(jnp.ones(10)))
+    lines = _lines(capsys.readouterr().err, "microbatch(sum)")
+    assert [line.split("] ")[1].split(" ")[0] for line in lines] == ["1/3", "2/3", "3/3"]
+
+
 def test_eager_calls_keep_python_control_flow_on_static_arguments():
     def fun(x, mode):
         return jnp.sum(x) if mode == "sum" else jnp.max(x)

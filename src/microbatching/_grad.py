@@ -142,4 +142,4 @@ def micro_grad(
         example.check_differentiable(axes.to_positions(args, kwargs)[0])
         return looped(*args, **kwargs)
 
-    return wraps(fun, checked, settings)
+    return wraps(fun, checked, settings, weights=True)

@@ -26,7 +26,7 @@ from . import (
 )
 from ._accumulators import AccumulationType
 from ._batch import Batch
-from ._signature import WEIGHTS, BatchAxes
+from ._signature import RESERVES, WEIGHTS, BatchAxes
 from ._typing import Count, Function, InAxes, P
 
 
@@ -149,20 +149,38 @@ class Settings:
     allow_remainder: bool = False
 
 
-def wraps(fun: Callable[P, Any], wrapper: Function, settings: Settings) -> Callable[P, Any]:
+def wraps(
+    fun: Callable[P, Any], wrapper: Function, settings: Settings, weights: bool = False
+) -> Callable[P, Any]:
     """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
 
     Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
     when one becomes a module field; our wrappers are plain functions. Eager calls go
-    through a cached ``jax.jit`` (``_eager``), unless there is no loop to compile.
+    through a cached ``jax.jit`` (``_eager``), unless there is no loop to compile. With
+    ``weights`` the signature also has a keyword-only ``example_weights=None``, so that
+    ``inspect.signature(...).bind`` (``eqx.filter_jit``, ``donate_argnames``) accepts it.
     """
     if settings.size is not None:
         wrapper = _eager.cached(wrapper)
     out = functools.wraps(fun, updated=())(wrapper)
     del out.__wrapped__
     with contextlib.suppress(TypeError, ValueError):  # builtins may have none
-        out.__signature__ = inspect.signature(fun)  # pyright: ignore[reportAttributeAccessIssue]
+        signature = inspect.signature(fun)
+        if weights:
+            signature = _with_weights(signature)
+            setattr(out, RESERVES, True)
+        out.__signature__ = signature  # pyright: ignore[reportAttributeAccessIssue]
     return out
+
+
+def _with_weights(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with a keyword-only ``example_weights=None`` (before ``**kwargs``)."""
+    params = list(signature.parameters.values())
+    if WEIGHTS in signature.parameters:  # our own wrapper, nested
+        return signature
+    at = len(params) - (bool(params) and params[-1].kind == inspect.Parameter.VAR_KEYWORD)
+    extra = inspect.Parameter(WEIGHTS, inspect.Parameter.KEYWORD_ONLY, default=None)
+    return signature.replace(parameters=[*params[:at], extra, *params[at:]])
 
 
 def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
@@ -202,6 +220,8 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
             if batch.remainder and padded and not given:
                 kwargs = {**kwargs, WEIGHTS: jax.numpy.ones(batch.size, bool)}
                 batch = _batch.locate(axes, args, kwargs, m, count, True)
+            for i in batch.batched:  # before the weights are cut into microbatches
+                _layout.check_shards(batch.leaves[i], batch.axes[i] or 0, m, batch.labels[i])
             with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{m}"):
                 split = _accumulators.Split(
                     batch.num_microbatches, batch.remainder, m, _weighting(batch, m)
@@ -426,7 +446,15 @@ def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | No
 
     trips = min(bound, loop.trips) if isinstance(bound, int) else loop.trips
     try:
-        carry = jax.lax.fori_loop(0, trips, body, carry)
+        if loop.substitute and batch.weights is not None:
+            # No example of non-zero weight: fun is not run at all, so that whatever the
+            # rows hold cannot reach a gradient either (every row is a stand-in).
+            kept = jax.numpy.any(batch.leaves[batch.weights] != 0)
+            carry = jax.lax.cond(
+                kept, lambda c: jax.lax.fori_loop(0, trips, body, c), lambda c: c, carry
+            )
+        else:
+            carry = jax.lax.fori_loop(0, trips, body, carry)
     except TypeError as err:
         shapes = jax.tree.map(lambda x: jax.typeof(x).str_short(), (out_shape, carry))
         raise TypeError(
@@ -436,17 +464,22 @@ def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | No
             f"({err})"
         ) from err
     if batch.remainder and not loop.padded:
-        carry = _remainder(call, loop, acc, carry)
+        carry = _remainder(call, loop, acc, carry, progress)
     return acc.finalize(carry)
 
 
-def _remainder(call: Function, loop: Loop, acc: Any, carry: Any) -> Any:
+def _remainder(call: Function, loop: Loop, acc: Any, carry: Any, progress: str | None) -> Any:
     """Folds ``fun`` of the last, partial microbatch into the carry, as microbatch ``full``."""
     batch, full = loop.batch, loop.batch.full
 
     def fold(carry: Any) -> Any:
         with jax.named_scope("remainder"):
-            return acc.update(carry, call(loop.remainder()), full)
+            carry = acc.update(carry, call(loop.remainder()), full)
+            if progress is not None:
+                leaves = jax.tree.leaves(carry)
+                after = jax.numpy.sum(jax.numpy.ravel(leaves[0])[:1]) if leaves else None
+                _progress.tick(progress, full, batch.bound, after)
+            return carry
 
     bound = batch.bound
     if isinstance(bound, int):

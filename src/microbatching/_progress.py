@@ -29,12 +29,17 @@ _lock = threading.Lock()
 _last: dict[str, tuple[int, float]] = {}
 
 
-def tick(name: str, index: Any, total: Any) -> None:
-    """Reports, from inside the loop, that microbatch ``index`` of ``total`` has run."""
-    jax.debug.callback(functools.partial(_report, name), index, total)
+def tick(name: str, index: Any, total: Any, after: Any = None) -> None:
+    """Reports, from inside the loop, that microbatch ``index`` of ``total`` has run.
+
+    ``after``, a scalar computed from the microbatch's result, makes the report wait for
+    it where ``index`` is a constant (the remainder after the loop), which XLA would
+    otherwise report first.
+    """
+    jax.debug.callback(functools.partial(_report, name), index, total, after)
 
 
-def _report(name: str, index: Any, total: Any) -> None:
+def _report(name: str, index: Any, total: Any, after: Any = None) -> None:
     done, total = int(index) + 1, int(total)
     stream = sys.stderr
     label = name if jax.process_count() == 1 else f"[process {jax.process_index()}] {name}"

@@ -18,6 +18,9 @@ from ._typing import AxisSpec, Function
 WEIGHTS = "example_weights"
 """The keyword of the per-example weights that ``micro_vmap`` and ``micro_grad`` take."""
 
+RESERVES = "__microbatching_example_weights__"
+"""The attribute set on our wrappers that take ``example_weights`` themselves."""
+
 TOO_MANY = object()
 """``BatchAxes.rest`` when a call may not pass more positional arguments than there are specs."""
 
@@ -228,7 +231,7 @@ def vmap_axes(fun: Function, in_axes: Any) -> BatchAxes:
                 f"{len(sig.positional)} positional parameter(s); give one entry per "
                 f"positional parameter ({in_axes=})."
             )
-    _check_reserved(sig, name, "micro_vmap")
+    _check_reserved(fun, sig, name, "micro_vmap")
     return BatchAxes(
         "micro_vmap",
         name,
@@ -252,7 +255,7 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
     if not nums:
         raise ValueError("batch_argnums is empty; name at least one argument with a batch axis 0.")
     nums = _argnums(nums, sig, name, "batch_argnums")
-    _check_reserved(sig, name, "micro_grad")
+    _check_reserved(fun, sig, name, "micro_grad")
     return BatchAxes(
         "micro_grad",
         name,
@@ -268,8 +271,14 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
     )
 
 
-def _check_reserved(sig: Signature | None, name: str, transform: str) -> None:
-    """``fun`` may not have a parameter named ``example_weights``: the keyword is ours."""
+def _check_reserved(fun: Function, sig: Signature | None, name: str, transform: str) -> None:
+    """``fun`` may not have a parameter named ``example_weights``: the keyword is ours.
+
+    Our own wrappers have one (they take weights themselves): the outer transform takes
+    the keyword, and the inner one runs unweighted.
+    """
+    if getattr(fun, RESERVES, False):
+        return
     if sig is not None and (WEIGHTS in sig.keyword or WEIGHTS in sig.positional):
         raise ValueError(
             f"{name}{sig.describe()} has a parameter named {WEIGHTS!r}, but {transform} "

@@ -109,7 +109,7 @@ def micro_vmap(
         _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     looped = build(fun, axes, _checks.ensure_callable("vmap_fn", vmap_fn), settings)
-    return wraps(fun, looped, settings)
+    return wraps(fun, looped, settings, weights=True)
 
 
 def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
