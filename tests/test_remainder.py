@@ -284,6 +284,24 @@ def test_the_padded_loop_holds_one_microbatch():
     assert weighted_large - weighted_small <= 8 * (256 - 32) * 128
 
 
+def test_gradients_through_weighted_loops_hold_one_microbatch():
+    features = 64
+    w = jnp.ones((features, features), F32) / features
+    fun = lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))  # noqa: E731
+    mapped = micro_vmap(fun, (None, 0), microbatch_size=128, accumulator=SUM, allow_remainder=True)
+    grad = jax.grad(lambda w, x, m: mapped(w, x, example_weights=m))
+
+    def temp(size):
+        x = jax.ShapeDtypeStruct((size, features), F32)
+        return _temp_bytes(grad, w, x, jax.ShapeDtypeStruct((size,), F32))
+
+    # About 264 KB at either size; a copy of the batch would be 1 and 8 MiB. The
+    # weights may add a few bytes per example, never a row of 256.
+    small, large = temp(4096 + 5), temp(8 * 4096 + 5)
+    assert large - small <= 8 * 7 * 4096
+    assert large < 2**20
+
+
 # --- example_weights ---------------------------------------------------------------------
 
 

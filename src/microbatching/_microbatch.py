@@ -230,6 +230,14 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
                     settings.accumulator, split, settings.accumulation_dtype
                 )
                 progress = name if settings.progress else None
+                if given and batch.weights is not None:
+                    # No example of non-zero weight: no microbatch runs, so that what the
+                    # rows hold reaches no gradient either (every row would be a stand-in).
+                    # The skip is the traced bound's, inside the rematerialised step.
+                    kept = jax.numpy.any(batch.leaves[batch.weights] != 0)
+                    batch = dataclasses.replace(
+                        batch, bound=jax.numpy.where(kept, batch.bound, 0).astype(np.int32)
+                    )
                 loop = Loop(batch, m, padded, given, settings.mesh_axes)
                 return _layout.close(_run(fun, loop, acc, settings.accumulation_dtype, progress))
 
@@ -446,15 +454,7 @@ def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | No
 
     trips = min(bound, loop.trips) if isinstance(bound, int) else loop.trips
     try:
-        if loop.substitute and batch.weights is not None:
-            # No example of non-zero weight: fun is not run at all, so that whatever the
-            # rows hold cannot reach a gradient either (every row is a stand-in).
-            kept = jax.numpy.any(batch.leaves[batch.weights] != 0)
-            carry = jax.lax.cond(
-                kept, lambda c: jax.lax.fori_loop(0, trips, body, c), lambda c: c, carry
-            )
-        else:
-            carry = jax.lax.fori_loop(0, trips, body, carry)
+        carry = jax.lax.fori_loop(0, trips, body, carry)
     except TypeError as err:
         shapes = jax.tree.map(lambda x: jax.typeof(x).str_short(), (out_shape, carry))
         raise TypeError(
