@@ -4,6 +4,7 @@ Compiled memory and cost analyses are deterministic, so these are structural fac
 """
 
 import gc
+import math
 import weakref
 
 import jax
@@ -13,14 +14,36 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from microbatching import AccumulationType, Plan, PlanRow, _plan, microbatch, plan
+from microbatching import (
+    AccumulationType,
+    Plan,
+    PlanRow,
+    _plan,
+    micro_grad,
+    micro_vmap,
+    microbatch,
+    plan,
+)
 
 DTYPE = jnp.float32  # explicit, so that JAX_ENABLE_X64=1 does not double every size
 BATCH, FEATURES, HIDDEN = 64, 16, 64
 PARAMS = [jax.ShapeDtypeStruct(s, DTYPE) for s in [(FEATURES, HIDDEN), (HIDDEN, 1)]]
 X = jax.ShapeDtypeStruct((BATCH, FEATURES), DTYPE)
+XT = jax.ShapeDtypeStruct((FEATURES, BATCH), DTYPE)
 Y = jax.ShapeDtypeStruct((BATCH, 1), DTYPE)
 HUGE = 2**40
+MEAN = AccumulationType.MEAN
+PARAM_BYTES = 4 * sum(math.prod(p.shape) for p in PARAMS)
+ARGUMENT_BYTES = PARAM_BYTES + 4 * (math.prod(X.shape) + math.prod(Y.shape))
+
+# plan learns which arguments are batched from the attribute _plan.OPTIONS of the
+# function that build returns; until the transforms set it, plan falls back to the
+# leading-axis rule, and these tests fail.
+needs_options = pytest.mark.xfail(
+    not hasattr(microbatch(jnp.sum, 0, 1), _plan.OPTIONS),
+    reason=f"microbatch, micro_vmap and micro_grad do not set {_plan.OPTIONS} yet",
+    strict=True,
+)
 
 
 def _loss(params, x, y):
@@ -82,6 +105,7 @@ def test_total_is_temp_plus_arguments_plus_outputs_minus_aliases():
     assert memory is not None
     (row,) = _plan_mlp(candidates=[8]).table
     assert row.temp_bytes == memory.temp_size_in_bytes
+    assert row.argument_bytes == memory.argument_size_in_bytes == ARGUMENT_BYTES
     assert row.total_bytes == (
         memory.temp_size_in_bytes
         + memory.argument_size_in_bytes
@@ -147,6 +171,141 @@ def test_batch_size_is_inferred_when_the_arguments_agree():
     assert [row.microbatch_size for row in result.table] == [1, 2, 4, 8, 16, 32, 64]
 
 
+def _micro_grad(m):
+    return micro_grad(_loss, batch_argnums=(1, 2), microbatch_size=m, accumulator=MEAN)
+
+
+def _micro_vmap(m):
+    return micro_vmap(_loss, in_axes=(None, 0, 0), microbatch_size=m, accumulator=MEAN)
+
+
+def _jitted_value_and_grad(m):
+    return jax.jit(jax.value_and_grad(microbatch(_loss, (1, 2), m, MEAN)))
+
+
+def _batch_on_axis_1(m):
+    return jax.grad(microbatch(lambda p, xt, y: _loss(p, xt.T, y), (1, 2), m, MEAN, in_axes=(1, 0)))
+
+
+def _keyword_batch(m):
+    return microbatch(lambda w, *, x: jnp.sum(jnp.tanh(x @ w)), (), m, argnames="x")
+
+
+@needs_options
+@pytest.mark.parametrize(
+    ("build", "args", "kwargs"),
+    [
+        (_build, (PARAMS, X, Y), {}),
+        (_micro_grad, (PARAMS, X, Y), {}),
+        (_micro_vmap, (PARAMS, X, Y), {}),
+        (_jitted_value_and_grad, (PARAMS, X, Y), {}),
+        (_batch_on_axis_1, (PARAMS, XT, Y), {}),
+        (_keyword_batch, (PARAMS[0],), {"x": X}),
+    ],
+    ids=["grad-microbatch", "micro_grad", "micro_vmap", "jit", "axis-1", "keyword"],
+)
+def test_the_built_function_finds_the_batch_next_to_the_parameters(build, args, kwargs):
+    # The parameters' leading sizes (16 and 64) differ from each other; only the built
+    # function knows that the batch is X's 64 rows (XT's axis 1).
+    result = plan(build, *args, memory_budget=HUGE, candidates=[8], **kwargs)
+    assert result.batch_size == X.shape[0]
+    assert [(row.microbatch_size, row.num_microbatches) for row in result.table] == [(8, 8)]
+    assert not result.allow_remainder
+
+
+@needs_options
+def test_default_candidates_divide_the_batch_the_function_finds():
+    found = plan(_build, PARAMS, X, Y, memory_budget=HUGE)
+    assert found == _plan_mlp()
+    assert [row.microbatch_size for row in found.table] == [1, 2, 4, 8, 16, 32, 64]
+
+
+@needs_options
+def test_allow_remainder_is_taken_from_the_built_function():
+    def build(m):
+        return microbatch(jnp.sum, 0, m, allow_remainder=True)
+
+    x = jax.ShapeDtypeStruct((12, 3), DTYPE)
+    result = plan(build, x, memory_budget=HUGE)
+    assert result.allow_remainder
+    assert [row.microbatch_size for row in result.table] == [1, 2, 3, 4, 6, 8, 12]
+    assert [row.num_microbatches for row in result.table] == [12, 6, 4, 3, 2, 2, 1]
+
+
+@needs_options
+@pytest.mark.parametrize("made_with", [True, False])
+def test_allow_remainder_must_agree_with_the_built_function(made_with):
+    def build(m):
+        return microbatch(jnp.sum, 0, m, allow_remainder=made_with)
+
+    with pytest.raises(
+        ValueError,
+        match=rf"plan got allow_remainder={not made_with}, but the function that build returns was made with allow_remainder={made_with}; leave allow_remainder out of plan, which takes it from the function\.",
+    ):
+        plan(build, X, memory_budget=HUGE, allow_remainder=not made_with)
+
+
+@needs_options
+def test_the_built_function_refuses_batches_of_different_sizes():
+    short = jax.ShapeDtypeStruct((BATCH // 2, 1), DTYPE)
+    with pytest.raises(
+        ValueError,
+        match=r"Batch arguments of _loss must have equal batch sizes, got \[32, 64\]",
+    ) as info:
+        plan(_build, PARAMS, X, short, memory_budget=HUGE)
+    assert info.value.__notes__ == [
+        "(raised by plan while finding the batch in its example arguments; pass "
+        "batch_size= to give its size)"
+    ]
+
+
+PRIME_NOTE = (
+    "  batch_size=13 is prime: only 1 and 13 divide it; pass allow_remainder=True to the "
+    "transform that build calls to try other sizes."
+)
+
+
+def _sum_of(m, allow_remainder=False):
+    return microbatch(jnp.sum, 0, m, allow_remainder=allow_remainder)
+
+
+def test_a_prime_batch_size_has_two_candidates_and_the_plan_says_why():
+    x = jax.ShapeDtypeStruct((13, 3), DTYPE)
+    result = plan(_sum_of, x, memory_budget=HUGE)
+    assert [row.microbatch_size for row in result.table] == [1, 13]
+    assert str(result).splitlines()[-1] == PRIME_NOTE
+    with pytest.raises(
+        ValueError,
+        match=r"No candidate microbatch size fits memory_budget=1 \(1 B\): the arguments alone take 156 bytes",
+    ) as info:
+        plan(_sum_of, x, memory_budget=1)
+    assert str(info.value).endswith("\n" + PRIME_NOTE)
+
+
+def test_a_candidate_that_does_not_divide_a_prime_batch_size():
+    with pytest.raises(
+        ValueError,
+        match=r"candidates\[0\]=4 does not divide batch_size=13 \(batch_size=13 is prime: only 1 and 13 divide it\); a microbatch size must, so choose among \[1, 13\], or pass allow_remainder=True to the transform that build calls to try other sizes\.",
+    ):
+        plan(_sum_of, jax.ShapeDtypeStruct((13, 3), DTYPE), memory_budget=HUGE, candidates=[4])
+
+
+@pytest.mark.parametrize("batch", [2, 12])
+def test_no_prime_note_where_other_sizes_would_not_help(batch):
+    result = plan(_sum_of, jax.ShapeDtypeStruct((batch, 3), DTYPE), memory_budget=HUGE)
+    assert "prime" not in str(result)
+
+
+@needs_options
+def test_no_prime_note_with_allow_remainder():
+    def build(m):
+        return _sum_of(m, allow_remainder=True)
+
+    result = plan(build, jax.ShapeDtypeStruct((13, 3), DTYPE), memory_budget=HUGE)
+    assert [row.microbatch_size for row in result.table] == [1, 2, 4, 8, 13]
+    assert "prime" not in str(result)
+
+
 def test_sharded_arguments_are_planned_per_device():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = NamedSharding(mesh, P("data"))
@@ -180,14 +339,14 @@ def test_plans_are_cached_per_build_shapes_and_candidate():
         )
 
     first = plan_with(X, Y)
-    assert calls == [4, 16]
+    assert calls == [1, 4, 16]  # build(1) tells which arguments are batched
     assert plan_with(X, Y) == first
     plan_with(X, Y, memory_budget=first.table[0].total_bytes)  # another budget
     plan_with(X, Y, candidates=(4, 8))  # one new candidate
-    assert calls == [4, 16, 8]
+    assert calls == [1, 4, 16, 8]
     x, y = (jax.ShapeDtypeStruct((2 * BATCH, *a.shape[1:]), DTYPE) for a in (X, Y))
     plan_with(x, y, batch_size=2 * BATCH)
-    assert calls == [4, 16, 8, 4, 16]  # new shapes compile again
+    assert calls == [1, 4, 16, 8, 4, 16]  # new shapes compile again
 
 
 def test_the_cache_does_not_keep_build_alive():
@@ -227,17 +386,48 @@ def test_sizes_are_human_readable(n, text):
     assert _plan._bytes(n) == text
 
 
-def test_nothing_fits():
-    totals = _totals([4, 16])
-    smallest = min(totals.values())
+def test_nothing_fits_when_the_arguments_alone_exceed_the_budget():
+    budget = ARGUMENT_BYTES - 1
     with pytest.raises(
         ValueError,
-        match=r"No candidate microbatch size fits memory_budget=100 \(100 B\): the smallest total is \d+ bytes \(.*\), with microbatch_size=4\. Raise memory_budget, try smaller candidates=, or shard the arguments over more devices\.\nPlan for batch_size=64",
+        match=rf"No candidate microbatch size fits memory_budget={budget} \({_plan._bytes(budget)}\): the arguments alone take {ARGUMENT_BYTES} bytes \(.*\) per device whatever the microbatch size, as microbatching shrinks only the scratch memory \(temp\)\. Raise memory_budget, or shard the arguments over more devices\.\nPlan for batch_size=64",
     ) as info:
-        _plan_mlp(candidates=[4, 16, None], memory_budget=100)
-    assert f"{smallest} bytes" in str(info.value)
+        _plan_mlp(candidates=[4, 16, None], memory_budget=budget)
     assert "nothing fits." in str(info.value)
     assert "*" not in str(info.value)
+
+
+def _arguments_and_outputs():
+    """What the MLP's gradient needs besides its temp, per XLA: at least the parameters,
+    the batch, and a gradient of the parameters' shapes."""
+    memory = jax.jit(_build(4)).lower(PARAMS, X, Y).compile().memory_analysis()
+    assert memory is not None
+    fixed = memory.argument_size_in_bytes + memory.output_size_in_bytes
+    assert fixed - memory.alias_size_in_bytes >= ARGUMENT_BYTES + PARAM_BYTES
+    return fixed - memory.alias_size_in_bytes
+
+
+def test_nothing_fits_when_the_arguments_and_outputs_exceed_the_budget():
+    fixed = _arguments_and_outputs()
+    with pytest.raises(
+        ValueError,
+        match=rf"No candidate microbatch size fits memory_budget={ARGUMENT_BYTES} \(.*\): the arguments and outputs take {fixed} bytes \(.*\), the arguments {ARGUMENT_BYTES} bytes \(.*\), per device whatever the microbatch size, as microbatching shrinks only the scratch memory \(temp\)\. Raise memory_budget, or shard the arguments over more devices\.",
+    ):
+        _plan_mlp(candidates=[4, 16], memory_budget=ARGUMENT_BYTES)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "smaller"), [([4, 16], "try candidates below 4, "), ([1, 4], "")]
+)
+def test_nothing_fits_when_every_total_exceeds_the_budget(candidates, smaller):
+    totals = _totals(candidates)
+    smallest = min(totals, key=totals.__getitem__)
+    budget = _arguments_and_outputs()  # they fit, with no room for the temp
+    with pytest.raises(
+        ValueError,
+        match=rf"No candidate microbatch size fits memory_budget={budget} \(.*\): the smallest total is {totals[smallest]} bytes \(.*\), with microbatch_size={smallest}\. Raise memory_budget, {smaller}or shard the arguments over more devices\.\nPlan for batch_size=64",
+    ):
+        _plan_mlp(candidates=candidates, memory_budget=budget)
 
 
 def test_without_a_budget_a_cpu_reports_no_limit():
@@ -291,7 +481,7 @@ def _example_error(**options):
         (
             {"candidates": [4, 48]},
             ValueError,
-            r"candidates\[1\]=48 does not divide batch_size=64; a microbatch size must, so choose among \[1, 2, 4, 8, 16, 32, 64\], or pass allow_remainder=True if build's function passes it to the transform\.",
+            r"candidates\[1\]=48 does not divide batch_size=64; a microbatch size must, so choose among \[1, 2, 4, 8, 16, 32, 64\], or pass allow_remainder=True to the transform that build calls to try other sizes\.",
         ),
         (
             {"candidates": [0]},
@@ -350,12 +540,12 @@ def test_bad_options(options, error, message):
         _example_error(**options)
 
 
-def test_ambiguous_batch_size():
+def test_a_function_of_other_making_needs_arrays_of_one_leading_size():
     with pytest.raises(
         ValueError,
-        match=r"plan cannot tell the batch size: it is the leading-axis size shared by the array arguments, and they have leading sizes \[16, 64\] \(args\[0\]\[0\] of shape \(16, 64\), args\[0\]\[1\] of shape \(64, 1\), args\[1\] of shape \(64, 16\), args\[2\] of shape \(64, 1\)\); pass batch_size=, the size of the axis that build's function splits\.",
+        match=r"plan cannot tell the batch size: build returns a function that microbatch, micro_vmap and micro_grad did not make \(nor wrap through __wrapped__\), so the batch size is the leading-axis size shared by the array arguments, and they have leading sizes \[16, 64\] \(args\[0\]\[0\] of shape \(16, 64\), args\[0\]\[1\] of shape \(64, 1\), args\[1\] of shape \(64, 16\), args\[2\] of shape \(64, 1\)\); pass batch_size=, the size of the axis that build's function splits\.",
     ):
-        plan(_build, PARAMS, X, Y, memory_budget=HUGE)
+        plan(lambda m: jax.grad(_loss), PARAMS, X, Y, memory_budget=HUGE)
 
 
 def test_build_must_be_callable():

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -21,6 +22,22 @@ from . import _checks, _sharding
 Build = Callable[[int | None], Callable[..., Any]]
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FLOP_UNITS = ("", "K", "M", "G", "T", "P", "E")
+_REMAINDER_FIX = "pass allow_remainder=True to the transform that build calls to try other sizes."
+
+OPTIONS = "__microbatching__"
+"""The attribute that holds a ``Batching`` on the functions our transforms return."""
+
+
+class Batching(Protocol):
+    """What ``plan`` reads from a function that ``microbatch``, ``micro_vmap`` or
+    ``micro_grad`` returned: the options it was wrapped with."""
+
+    @property
+    def allow_remainder(self) -> bool: ...
+
+    def batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The size of the batch axis that a call with these arguments splits."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +48,8 @@ class PlanRow:
       microbatch_size: The candidate; None runs the whole batch without microbatching.
       num_microbatches: ``ceil(batch_size / microbatch_size)`` (1 for None).
       temp_bytes: The compiled program's scratch memory (``temp_size_in_bytes``).
+      argument_bytes: Its arguments' memory (``argument_size_in_bytes``), the same for
+        every microbatch size: microbatching shrinks only the scratch memory.
       total_bytes: ``temp + arguments + outputs - aliases`` from the compiled program's
         memory analysis: what one call needs on a device (per device when sharded). The
         generated code is not counted.
@@ -54,6 +73,7 @@ class PlanRow:
     microbatch_size: int | None
     num_microbatches: int
     temp_bytes: int
+    argument_bytes: int
     total_bytes: int
     flops: float | None
     fits: bool
@@ -67,10 +87,12 @@ class Plan:
       microbatch_size: The largest candidate whose total memory fits ``memory_budget``
         (None, no microbatching, counts as larger than any size).
       memory_budget: The budget in bytes, per device.
-      batch_size: The batch size the candidates divide.
+      batch_size: The size of the batch axis that the function splits.
       table: One ``PlanRow`` per candidate, smallest microbatch size first, None last.
+      allow_remainder: Whether the candidates need not divide ``batch_size``.
 
-    ``str(plan)`` renders the table, with the chosen row marked ``*``.
+    ``str(plan)`` renders the table, with the chosen row marked ``*``, and says why a
+    prime batch size has no candidates but 1 and itself.
 
     >>> import jax, jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -90,6 +112,7 @@ class Plan:
     memory_budget: int
     batch_size: int
     table: tuple[PlanRow, ...]
+    allow_remainder: bool = False
 
     def __str__(self) -> str:
         header = (
@@ -102,7 +125,9 @@ class Plan:
             if any(chosen)
             else "  nothing fits."
         )
-        return "\n".join([header, *_render(self.table, chosen), footer])
+        prime = self.batch_size > 2 and _is_prime(self.batch_size) and not self.allow_remainder
+        note = [f"  {_prime(self.batch_size)}; {_REMAINDER_FIX}"] if prime else []
+        return "\n".join([header, *_render(self.table, chosen), footer, *note])
 
 
 def plan(
@@ -113,7 +138,7 @@ def plan(
     candidates: Sequence[int | None] | None = None,
     batch_size: int | None = None,
     safety_margin: float = 0.9,
-    allow_remainder: bool = False,
+    allow_remainder: bool | None = None,
     **kwargs: Any,
 ) -> Plan:
     """Picks the largest microbatch size whose compiled program fits in memory.
@@ -124,6 +149,12 @@ def plan(
     measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
     shardings, batch size, mesh and candidate, so planning again, under any budget or with
     candidates already measured, compiles nothing.
+
+    The batch size and ``allow_remainder`` come from the function that ``build(1)``
+    returns, when ``microbatch``, ``micro_vmap`` or ``micro_grad`` made it, directly or
+    under transforms that set ``__wrapped__`` and keep its arguments (``jax.grad``,
+    ``jax.value_and_grad``, ``jax.jit``): it finds its batch arguments in ``args`` and
+    ``kwargs`` as a call would, so parameters may sit next to the batch.
 
     Args:
       build: ``build(microbatch_size)`` returns the function to run, e.g.
@@ -136,17 +167,19 @@ def plan(
         ``jax.devices()[0]``) times ``safety_margin``; CPUs report none, so pass it there.
       candidates: The microbatch sizes to try, each dividing the batch size, or None for
         no microbatching (counted as larger than any size). By default every divisor of
-        the batch size; None is not tried, as the whole batch in one microbatch is the
-        same program in all but the loop.
+        the batch size (only 1 and itself for a prime); None is not tried, as the whole
+        batch in one microbatch is the same program in all but the loop.
       batch_size: The size of the batch axis that ``build``'s function splits. By
-        default the leading-axis size of the arguments' arrays, which must all agree;
-        pass it when they do not (parameters next to the batch).
+        default that function finds it in the example arguments; a function of other
+        making must have the same leading-axis size in every array argument. Pass it
+        under a transform that changes the arguments' shapes, such as ``jax.vmap``.
       safety_margin: The fraction of the device's limit to plan for when
         ``memory_budget`` is None, in (0, 1]. It leaves room for fragmentation, other
         buffers and the generated code.
-      allow_remainder: Whether ``build``'s function takes sizes that do not divide the
-        batch (it passes ``allow_remainder=True`` to the transform). Candidates then need
-        not divide the batch size, and the default candidates add the powers of two.
+      allow_remainder: Whether the candidates need not divide the batch size (the
+        default ones then add the powers of two). By default that of ``build``'s
+        function, or False for a function of other making; if given, it must agree
+        with ``build``'s function.
       **kwargs: Example keyword arguments of that function, as ``*args``.
 
     Returns:
@@ -155,7 +188,7 @@ def plan(
     Raises:
       TypeError, ValueError: For bad arguments, a batch size that cannot be inferred, a
         device that reports no memory limit, or when no candidate fits the budget (the
-        message shows the table).
+        message says whether the arguments alone exceed it, and shows the table).
 
     >>> import jax, jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -172,14 +205,15 @@ def plan(
     """
     _checks.ensure_callable("build", build)
     labels, specs, treedef = _specs(args, kwargs)
-    size = _batch_size(batch_size, labels, specs)
-    remainder = _checks.ensure_bool("allow_remainder", allow_remainder)
+    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1)))
+    remainder = _remainder(allow_remainder, batching)
+    size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
     measured = _measure_all(build, treedef, specs, size, sizes)
-    table = tuple(PlanRow(*m, fits=m[3] <= budget) for m in measured)
+    table = tuple(PlanRow(*m, fits=m[4] <= budget) for m in measured)
     fitting = [row.microbatch_size for row in table if row.fits]
-    result = Plan(fitting[-1] if fitting else None, budget, size, table)
+    result = Plan(fitting[-1] if fitting else None, budget, size, table, remainder)
     if not fitting:
         raise ValueError(_nothing_fits(result))
     return result
@@ -227,28 +261,74 @@ def _spec(leaf: Any, label: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=aval.weak_type)
 
 
-def _batch_size(batch_size: Any, labels: list[str], specs: list[jax.ShapeDtypeStruct]) -> int:
-    """``batch_size`` checked, or the leading-axis size that every array argument shares."""
+def _batching(fun: Callable[..., Any]) -> Batching | None:
+    """The options of the microbatched function that ``fun`` is, or wraps."""
+    inner = inspect.unwrap(fun, stop=lambda f: hasattr(f, OPTIONS))
+    return getattr(inner, OPTIONS, None)
+
+
+def _remainder(allow_remainder: Any, batching: Batching | None) -> bool:
+    """``allow_remainder`` checked against ``build``'s function, or taken from it."""
+    if allow_remainder is None:
+        return batching is not None and batching.allow_remainder
+    given = _checks.ensure_bool("allow_remainder", allow_remainder)
+    if batching is not None and given != batching.allow_remainder:
+        raise ValueError(
+            f"plan got {allow_remainder=}, but the function that build returns was made "
+            f"with allow_remainder={batching.allow_remainder}; leave allow_remainder out of "
+            "plan, which takes it from the function."
+        )
+    return given
+
+
+def _batch_size(
+    batch_size: Any,
+    batching: Batching | None,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    labels: list[str],
+    specs: list[jax.ShapeDtypeStruct],
+) -> int:
+    """``batch_size`` checked, or found in the example arguments by ``build``'s function."""
     if batch_size is not None:
-        if not _checks.is_int(batch_size):
-            raise TypeError(
-                f"batch_size must be a positive int or None, got {batch_size=}; pass the size "
-                "of the batch axis, e.g. batch_size=256."
-            )
-        if operator.index(batch_size) < 1:
-            raise ValueError(
-                f"batch_size must be a positive int, got {batch_size=}; pass the size of the "
-                "batch axis, e.g. batch_size=256."
-            )
-        return operator.index(batch_size)
+        return _ensure_batch_size(batch_size)
+    if batching is None:
+        return _leading_size(labels, specs)
+    try:
+        return batching.batch_size(*example)
+    except (TypeError, ValueError) as err:
+        err.add_note(
+            "(raised by plan while finding the batch in its example arguments; pass "
+            "batch_size= to give its size)"
+        )
+        raise
+
+
+def _ensure_batch_size(batch_size: Any) -> int:
+    if not _checks.is_int(batch_size):
+        raise TypeError(
+            f"batch_size must be a positive int or None, got {batch_size=}; pass the size "
+            "of the batch axis, e.g. batch_size=256."
+        )
+    if operator.index(batch_size) < 1:
+        raise ValueError(
+            f"batch_size must be a positive int, got {batch_size=}; pass the size of the "
+            "batch axis, e.g. batch_size=256."
+        )
+    return operator.index(batch_size)
+
+
+def _leading_size(labels: list[str], specs: list[jax.ShapeDtypeStruct]) -> int:
+    """The leading-axis size that every array argument shares."""
     leading = [(lab, s.shape) for lab, s in zip(labels, specs, strict=True) if s.shape]
     sizes = {shape[0] for _, shape in leading}
     if len(sizes) != 1 or 0 in sizes:
         listing = ", ".join(f"{lab} of shape {shape}" for lab, shape in leading) or "none"
         raise ValueError(
-            "plan cannot tell the batch size: it is the leading-axis size shared by the "
-            f"array arguments, and they have leading sizes {sorted(sizes)} ({listing}); "
-            "pass batch_size=, the size of the axis that build's function splits."
+            "plan cannot tell the batch size: build returns a function that microbatch, "
+            "micro_vmap and micro_grad did not make (nor wrap through __wrapped__), so "
+            "the batch size is the leading-axis size shared by the array arguments, and "
+            f"they have leading sizes {sorted(sizes)} ({listing}); pass batch_size=, the "
+            "size of the axis that build's function splits."
         )
     return sizes.pop()
 
@@ -291,11 +371,19 @@ def _check_candidate(i: int, m: Any, batch_size: int, remainder: bool) -> None:
         )
     if batch_size % operator.index(m) and not remainder:
         divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        prime = f" ({_prime(batch_size)})" if _is_prime(batch_size) else ""
         raise ValueError(
-            f"candidates[{i}]={m} does not divide {batch_size=}; a microbatch size must, "
-            f"so choose among {divisors}, or pass allow_remainder=True if build's function "
-            "passes it to the transform."
+            f"candidates[{i}]={m} does not divide {batch_size=}{prime}; a microbatch size "
+            f"must, so choose among {divisors}, or {_REMAINDER_FIX}"
         )
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+def _prime(batch_size: int) -> str:
+    return f"batch_size={batch_size} is prime: only 1 and {batch_size} divide it"
 
 
 def _budget(memory_budget: Any, safety_margin: Any, specs: list[jax.ShapeDtypeStruct]) -> int:
@@ -365,15 +453,20 @@ def _measure_all(
         ]
 
 
-def _measure(
-    build: Build, m: int | None, batch_size: int, args: Any, kwargs: Any
-) -> tuple[Any, ...]:
+def _built(build: Build, m: int | None) -> Callable[..., Any]:
     fun = build(m)
     if not callable(fun):
         raise TypeError(
             f"build must return the function to run, but build({m}) returned {fun!r}; "
             "return e.g. microbatch(loss, 1, m)."
         )
+    return fun
+
+
+def _measure(
+    build: Build, m: int | None, batch_size: int, args: Any, kwargs: Any
+) -> tuple[Any, ...]:
+    fun = _built(build, m)
     try:
         compiled = jax.jit(fun).lower(*args, **kwargs).compile()
     except Exception as err:
@@ -392,7 +485,8 @@ def _measure(
         - memory.alias_size_in_bytes
     )
     n = 1 if m is None else -(-batch_size // m)
-    return m, n, memory.temp_size_in_bytes, total, _flops(compiled, n)
+    arguments = memory.argument_size_in_bytes
+    return m, n, memory.temp_size_in_bytes, arguments, total, _flops(compiled, n)
 
 
 def _flops(compiled: Any, num_microbatches: int) -> float | None:
@@ -406,13 +500,31 @@ def _flops(compiled: Any, num_microbatches: int) -> float | None:
 
 
 def _nothing_fits(result: Plan) -> str:
-    smallest = min(result.table, key=lambda row: row.total_bytes)
-    return (
+    head = (
         f"No candidate microbatch size fits memory_budget={result.memory_budget} "
-        f"({_bytes(result.memory_budget)}): the smallest total is {smallest.total_bytes} bytes "
+        f"({_bytes(result.memory_budget)}): "
+    )
+    arguments = min(row.argument_bytes for row in result.table)
+    fixed = min(row.total_bytes - row.temp_bytes for row in result.table)
+    if fixed > result.memory_budget:
+        what = (
+            f"the arguments alone take {arguments} bytes ({_bytes(arguments)})"
+            if arguments > result.memory_budget
+            else f"the arguments and outputs take {fixed} bytes ({_bytes(fixed)}), the "
+            f"arguments {arguments} bytes ({_bytes(arguments)}),"
+        )
+        return (
+            f"{head}{what} per device whatever the microbatch size, as microbatching "
+            "shrinks only the scratch memory (temp). Raise memory_budget, or shard the "
+            f"arguments over more devices.\n{result}"
+        )
+    smallest = min(result.table, key=lambda row: row.total_bytes)
+    least = min((row.microbatch_size for row in result.table if row.microbatch_size), default=0)
+    smaller = "" if least == 1 else f"try candidates below {least or 'the batch size'}, "
+    return (
+        f"{head}the smallest total is {smallest.total_bytes} bytes "
         f"({_bytes(smallest.total_bytes)}), with microbatch_size={smallest.microbatch_size}. "
-        "Raise memory_budget, try smaller candidates=, or shard the arguments over more "
-        f"devices.\n{result}"
+        f"Raise memory_budget, {smaller}or shard the arguments over more devices.\n{result}"
     )
 
 
