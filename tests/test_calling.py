@@ -256,7 +256,7 @@ def test_missing_batch_argument_of_micro_grad_names_it():
         TypeError,
         match=r"batch_argnums includes 1, but loss was called with 1 positional argument\(s\) and no keyword argument `x`",
     ):
-        micro_grad(loss, microbatch_size=2)(W)  # pyright: ignore[reportCallIssue]
+        micro_grad(loss, microbatch_size=2)(W)
 
 
 def test_custom_init_of_the_wrong_shape_says_so():

@@ -172,7 +172,9 @@ def test_accumulator_leaf_of_the_wrong_type():
         TypeError,
         match="accumulator leaves must be AccumulationType or Accumulator, got 'sum' of type str",
     ):
-        microbatch(pair, 0, 4, accumulator="sum")
+        # A type error too: pyright's reportUnnecessaryTypeIgnoreComment (pyproject.toml)
+        # fails the lint if this comment is ever not needed.
+        microbatch(pair, 0, 4, accumulator="sum")  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("kind", ["MEAN", "RUNNING_MEAN"])
@@ -328,7 +330,7 @@ def test_micro_grad_called_without_the_batch():
         TypeError,
         match=r"batch_argnums includes 1, but pair was called with 1 positional argument\(s\) and no keyword argument `y`",
     ):
-        micro_grad(pair)(X)  # pyright: ignore[reportCallIssue]
+        micro_grad(pair)(X)
 
 
 def test_reshape_batch_axis_not_divisible():

@@ -36,15 +36,6 @@ MEAN = AccumulationType.MEAN
 PARAM_BYTES = 4 * sum(math.prod(p.shape) for p in PARAMS)
 ARGUMENT_BYTES = PARAM_BYTES + 4 * (math.prod(X.shape) + math.prod(Y.shape))
 
-# plan learns which arguments are batched from the attribute _plan.OPTIONS of the
-# function that build returns; until the transforms set it, plan falls back to the
-# leading-axis rule, and these tests fail.
-needs_options = pytest.mark.xfail(
-    not hasattr(microbatch(jnp.sum, 0, 1), _plan.OPTIONS),
-    reason=f"microbatch, micro_vmap and micro_grad do not set {_plan.OPTIONS} yet",
-    strict=True,
-)
-
 
 def _loss(params, x, y):
     hidden = jnp.tanh(x @ params[0])
@@ -191,7 +182,6 @@ def _keyword_batch(m):
     return microbatch(lambda w, *, x: jnp.sum(jnp.tanh(x @ w)), (), m, argnames="x")
 
 
-@needs_options
 @pytest.mark.parametrize(
     ("build", "args", "kwargs"),
     [
@@ -213,14 +203,12 @@ def test_the_built_function_finds_the_batch_next_to_the_parameters(build, args, 
     assert not result.allow_remainder
 
 
-@needs_options
 def test_default_candidates_divide_the_batch_the_function_finds():
     found = plan(_build, PARAMS, X, Y, memory_budget=HUGE)
     assert found == _plan_mlp()
     assert [row.microbatch_size for row in found.table] == [1, 2, 4, 8, 16, 32, 64]
 
 
-@needs_options
 def test_allow_remainder_is_taken_from_the_built_function():
     def build(m):
         return microbatch(jnp.sum, 0, m, allow_remainder=True)
@@ -232,7 +220,6 @@ def test_allow_remainder_is_taken_from_the_built_function():
     assert [row.num_microbatches for row in result.table] == [12, 6, 4, 3, 2, 2, 1]
 
 
-@needs_options
 @pytest.mark.parametrize("made_with", [True, False])
 def test_allow_remainder_must_agree_with_the_built_function(made_with):
     def build(m):
@@ -245,7 +232,6 @@ def test_allow_remainder_must_agree_with_the_built_function(made_with):
         plan(build, X, memory_budget=HUGE, allow_remainder=not made_with)
 
 
-@needs_options
 def test_the_built_function_refuses_batches_of_different_sizes():
     short = jax.ShapeDtypeStruct((BATCH // 2, 1), DTYPE)
     with pytest.raises(
@@ -296,7 +282,6 @@ def test_no_prime_note_where_other_sizes_would_not_help(batch):
     assert "prime" not in str(result)
 
 
-@needs_options
 def test_no_prime_note_with_allow_remainder():
     def build(m):
         return _sum_of(m, allow_remainder=True)

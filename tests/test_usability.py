@@ -73,22 +73,6 @@ def test_progress_on_a_mesh_is_one_bar(capsys, axis_type):
     assert [line.split("] ")[1].split(" ")[0] for line in lines] == [f"{i}/8" for i in range(1, 9)]
 
 
-def test_second_eager_call_does_not_trace_again():
-    traces = []
-
-    def fun(x, scale):
-        traces.append(scale)
-        return jnp.sum(x) * scale
-
-    wrapped = microbatch(fun, 0, 4)
-    first, second = wrapped(X, 2.0), wrapped(X * 2, 2.0)
-    assert_close(first, jnp.sum(X) * 2)
-    assert_close(second, jnp.sum(X) * 4)
-    assert traces == [2.0]
-    wrapped(X, 3.0)  # a new static value: traced again
-    assert traces == [2.0, 3.0]
-
-
 def test_eager_calls_key_python_numbers_by_type_and_sign():
     add = microbatch(lambda x, s: jnp.sum(x) + s, 0, 4)
     x = jnp.arange(8)

@@ -1,73 +1,56 @@
-"""Eager calls of a wrapped function go through a cached ``jax.jit``.
+"""Eager calls: ``fun`` is traced at every call, the loop is compiled once per program.
 
-Called outside ``jit``, the loop would be traced and compiled again at every call. When
-no argument is a tracer, the call is dispatched through one ``jax.jit`` per call
-structure instead: arrays are its arguments, everything else (Python numbers, strings,
-None, functions) is part of the cache key, as a static argument would be, keyed by type
-and value (``1``, ``1.0`` and ``True`` differ, and so do ``0.0`` and ``-0.0``). So each
-new Python number compiles again: pass a changing number as an array. The cache keeps
-the ``MAX_ENTRIES`` most recent programs. Arguments that cannot be hashed fall back to
-the plain call.
+A wrapped function called outside any JAX transformation behaves as an un-jitted call:
+``fun`` is traced afresh, so it reads the current values of what it closes over, its
+Python side effects run, and arguments that are not batched stay concrete (``if flag:``
+works on them). What is compiled is the loop around ``fun``'s traced program. It is
+cached under a *fingerprint* of that program: its equations, with every parameter and
+literal by value, and its constants by type only, since they are passed in as arguments
+(``_programs.fingerprint``).
+Two calls with the same fingerprint run the same computation on the same kinds of
+inputs, so the second call compiles nothing. A changed global read as a Python number
+is a literal of the program, so it changes the fingerprint and compiles again; one read
+as an array is a constant, passed in, and compiles nothing.
+
+Parameters without value equality (a callback's function, say) are keyed by identity,
+and the cache keeps a reference to them so that an identity is never reused: such
+programs compile again at every call. The one exception is what only differentiation
+reads (the JVP rule of a ``custom_jvp``, the forward and backward of a ``custom_vjp``):
+the cached program runs on concrete values only, so nothing differentiates it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.core
-import numpy as np
-
-from . import _sharding
-from ._typing import Function
 
 MAX_ENTRIES = 64
+"""How many compiled loops one wrapped function keeps, the most recently used."""
 
 
-def cached(looped: Function) -> Function:
-    """``looped``, dispatched through a cached ``jax.jit`` when called eagerly."""
-    compiled: dict[Any, Function] = {}
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            return looped(*args, **kwargs)
-        dynamic = [isinstance(leaf, jax.Array | np.ndarray | np.generic) for leaf in leaves]
-        static = tuple(leaf for leaf, d in zip(leaves, dynamic, strict=True) if not d)
-        key = (treedef, tuple(dynamic), tuple(_key(leaf) for leaf in static))
-        try:
-            jitted = compiled.pop(key, None)
-        except TypeError:  # an unhashable static argument
-            return looped(*args, **kwargs)
-        if jitted is None:
-            jitted = jax.jit(_rebuilt(looped, treedef, dynamic, static))
-            if len(compiled) >= MAX_ENTRIES:
-                del compiled[next(iter(compiled))]  # the least recently used
-        compiled[key] = jitted
-        arrays = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
-        with _sharding.mesh_of(arrays):
-            return jitted(arrays)
-
-    return call
+def is_concrete(tree: Any) -> bool:
+    """Whether no leaf of ``tree`` is a tracer: a call made outside every transformation."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
-def _key(leaf: Any) -> Any:
-    """A static argument as a cache key: its type with its value, floats by ``repr``
-    (so that ``-0.0`` and NaN key as themselves)."""
-    if isinstance(leaf, float | complex):
-        return type(leaf), repr(leaf)
-    return type(leaf), leaf
+class Cache:
+    """The compiled loops of one wrapped function, keyed by fingerprint."""
 
+    def __init__(self) -> None:
+        self._entries: OrderedDict[Hashable, tuple[Any, list[Any]]] = OrderedDict()
 
-def _rebuilt(
-    looped: Function, treedef: Any, dynamic: list[bool], static: tuple[Any, ...]
-) -> Function:
-    """``looped`` as a function of the array arguments only."""
-
-    def run(arrays: list[Any]) -> Any:
-        arrays_it, static_it = iter(arrays), iter(static)
-        leaves = [next(arrays_it) if d else next(static_it) for d in dynamic]
-        args, kwargs = jax.tree.unflatten(treedef, leaves)
-        return looped(*args, **kwargs)
-
-    return run
+    def get(self, key: Hashable, keep: list[Any], build: Callable[[], Any]) -> Any:
+        """The entry under ``key``, built on a miss; ``keep`` holds what the key names by
+        identity, alive as long as the entry."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+        if len(self._entries) >= MAX_ENTRIES:
+            self._entries.popitem(last=False)
+        value = build()
+        self._entries[key] = (value, keep)
+        return value

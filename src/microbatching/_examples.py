@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _accumulators, _layout, _vmap
+from . import _accumulators, _clipping, _layout, _programs, _vmap
 from ._microbatch import Settings
 from ._signature import WEIGHTS, BatchAxes
 from ._typing import Function, PyTree
@@ -102,11 +102,25 @@ class Examples:
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         out = self.fun(*args, **kwargs)
+        pair = isinstance(out, tuple | list)
+        if self.has_aux and not (pair and len(out) == 2):
+            got = f"a {type(out).__name__} of {len(out)}" if pair else _describe(out)
+            raise TypeError(
+                f"micro_grad was given has_aux=True, so fun must return a pair (loss, aux), "
+                f"but it returned {got}; return (loss, aux), or pass has_aux=False."
+            )
+        if not self.has_aux and pair:
+            raise TypeError(
+                f"micro_grad needs fun to return a scalar loss, but it returned a "
+                f"{type(out).__name__} of {len(out)}; if fun returns (loss, aux), pass "
+                "has_aux=True."
+            )
         value, aux = out if self.has_aux else (out, None)
-        if jnp.ndim(value) != 0:
+        value = jnp.asarray(value)
+        if value.ndim != 0:
             raise TypeError(
                 "micro_grad needs fun to return a scalar loss per example, but it returned "
-                f"shape {jnp.shape(value)} for each; reduce it to a scalar in fun."
+                f"shape {value.shape} for each; reduce it to a scalar in fun."
             )
         return value, aux
 
@@ -138,21 +152,17 @@ class Examples:
         return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
 
-def clip_factors(grads: PyTree, bound: float) -> jax.Array:
+def clip_factors(grads: PyTree, bound: float | jax.Array) -> jax.Array:
     """``min(1, bound / ||g_b||)`` per example, for gradients stacked on axis 0."""
     leaves = jax.tree.leaves(grads)
     if not leaves:
         return jnp.ones(())
-    rows = leaves[0].shape[0]
-    if not rows:
-        return jnp.ones((0,))
-    squares = sum(jnp.sum(jnp.reshape(_squared(g), (rows, -1)), axis=1) for g in leaves)
-    return jnp.minimum(1.0, bound / jnp.sqrt(squares))
+    return _clipping.factor(_clipping.row_norms(grads, leaves[0].shape[0]), bound)
 
 
 def per_example(
     example: Examples,
-    clip: float | None,
+    clip: float | jax.Array | None,
     transform: Callable[[PyTree], PyTree],
     metrics: Callable[[PyTree], PyTree],
 ) -> Function:
@@ -163,7 +173,7 @@ def per_example(
             (value, aux), grads = example.value_and_grad(*args, **kwargs)
             measured = metrics(grads)
             if clip is not None:
-                factor = jnp.minimum(1.0, clip / _norm(grads))
+                factor = _clipping.factor(_clipping.norm(grads), clip)
                 grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
             return transform(grads), Aux(value, measured, aux)
 
@@ -173,7 +183,7 @@ def per_example(
 def summed(
     example: Examples,
     accumulators: Any,
-    clip: float | None,
+    clip: float | jax.Array | None,
     metrics: Callable[[PyTree], PyTree] | None,
     settings: Settings,
 ) -> Function:
@@ -184,6 +194,7 @@ def summed(
     """
     requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
     losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
+    each = _vmap.vmapped(example.value_and_grad, example.axes, jax.vmap)
     gradients = _vmap.vmapped(
         lambda *a, **k: example.value_and_grad(*a, **k)[1], example.axes, jax.vmap
     )
@@ -195,6 +206,9 @@ def summed(
 
     def rows(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         given = kwargs.pop(WEIGHTS, None)
+        scaled = clip is not None or given is not None
+        if not _summed_is_exact(example, losses, requested, scaled, args, kwargs):
+            return explicit(given, *args, **kwargs)
         measured, factors = None, None
         if clip is not None or metrics is not None:
             # The factors depend on the parameters, but as values closed over by ``total``
@@ -220,17 +234,45 @@ def summed(
             grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
         return grads, out
 
+    def explicit(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
+        """The same sums from the per-example gradients, each scaled by its clip factor
+        and weight, and added up in the accumulation dtype."""
+        (values, aux), grads = each(*args, **kwargs)
+        rows = values.shape[0]
+        measured = None if metrics is None else jax.vmap(metrics)(grads)
+        scale = jnp.ones((rows,), jnp.float32)
+        if clip is not None:
+            scale = _clipping.factor(_clipping.row_norms(grads, rows), clip)
+        keep = None if given is None else given != 0
+        if given is not None and given.dtype != jnp.bool_:
+            scale = scale * given.astype(jnp.promote_types(given.dtype, scale.dtype))
+
+        def add(g: jax.Array) -> _layout.Open:
+            wide = _accumulators.accumulation_dtype(g.dtype, requested)
+            shape = (rows,) + (1,) * (g.ndim - 1)
+            terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
+            if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
+                terms = jnp.where(jnp.reshape(keep, shape), terms, jnp.zeros((), wide))
+            return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
+
+        out = Aux(values, measured, aux)
+        if keep is not None:
+            out = jax.tree.map(lambda x: _masked(x, keep), out)
+        return jax.tree.map(add, grads), out
+
     def per_microbatch(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         with jax.named_scope("micro_grad_step"):
             first = _first_batched(example.axes, args, kwargs)
             where = _layout.shards(first, 0, mesh_axes)
             if where is None:
                 grads, aux = rows(*args, **kwargs)
-                grads = jax.tree.map(lambda g: _open(g, requested, None), grads)
+                grads = jax.tree.map(
+                    lambda g: _open(g, requested, None), grads, is_leaf=_layout.is_open
+                )
             else:
                 grads, aux = _by_shard(rows, example.axes, where, args, kwargs)
                 grads = jax.tree.map(
-                    lambda g: _open(_layout.constrain(g, where), requested, "sum"), grads
+                    lambda g: _open(g, requested, "sum", where), grads, is_leaf=_layout.is_open
                 )
                 aux = jax.tree.map(lambda x: _layout.unchunk(x, where), aux)
             if WEIGHTS in kwargs:  # weighted sums: the loop divides means by the weights
@@ -302,6 +344,11 @@ def _in_chunks(
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
 
 
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__}" if shape is None else f"an array of shape {tuple(shape)}"
+
+
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     """Per-example ``x`` with the rows where ``keep`` is False set to zero."""
     return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
@@ -314,20 +361,64 @@ def _first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any
     raise ValueError("micro_grad found no batch argument in the call.")
 
 
-def _open(g: jax.Array, requested: Any, merge: str | None) -> Any:
-    """A gradient sum, in the accumulation dtype until the loop ends."""
-    wide = _accumulators.accumulation_dtype(g.dtype, requested)
-    if merge is None and wide == g.dtype:
-        return g
-    return _layout.Open(g.astype(wide), g.dtype, merge)
+def _open(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:
+    """A gradient sum, in the accumulation dtype until the loop ends; ``g`` may already
+    be open (``explicit``)."""
+    if isinstance(g, _layout.Open):
+        value, dtype = g.value, g.dtype
+    else:
+        value, dtype = g, g.dtype
+    if where is not None:
+        value = _layout.constrain(value, where)
+    wide = _accumulators.accumulation_dtype(dtype, requested)
+    if merge is None and wide == dtype == value.dtype:
+        return value
+    return _layout.Open(value.astype(wide), dtype, merge)
 
 
-def _norm(tree: PyTree) -> jax.Array:
-    return jnp.sqrt(sum((jnp.sum(_squared(g)) for g in jax.tree.leaves(tree)), jnp.zeros(())))
+NONLINEAR_IN_COTANGENT = {"custom_lin", "custom_vjp_call", "custom_transpose_call"}
+"""What may make a backward pass non-linear in its cotangent: user-written backward rules.
+
+Every other primitive's transpose is linear by construction (JAX transposes only linear
+maps), so without these a VJP with cotangent ``c_b`` per example is ``c_b`` times the VJP
+with cotangent 1. ``custom_lin`` is how a ``custom_vjp`` appears in a JVP; a
+``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``."""
 
 
-def _squared(g: jax.Array) -> jax.Array:
-    """``|g|**2`` in at least float32, so that norms of narrow gradients do not overflow."""
-    g = jnp.asarray(g)
-    magnitude = jnp.abs(g) if jnp.iscomplexobj(g) else g
-    return jnp.square(magnitude.astype(jnp.promote_types(magnitude.dtype, jnp.float32)))
+def _summed_is_exact(
+    example: Examples,
+    losses: Function,
+    requested: Any,
+    scaled: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
+    per-example gradients, as accumulated.
+
+    Two conditions, each checked on this call's program and dtypes:
+    - the sum over the microbatch that the backward pass forms runs in the accumulation
+      dtype: no differentiated leaf is narrower than it (float16 would overflow);
+    - when the examples are scaled (clip factors, weights, a padding mask), the backward
+      pass is linear in its cotangent: no ``NONLINEAR_IN_COTANGENT`` in the JVP of the
+      loss. With all cotangents 1 each example's backward pass is its own gradient's.
+    """
+    nums = example.nums()
+    for leaf in jax.tree.leaves([args[i] for i in nums]):
+        dtype = jnp.result_type(leaf)
+        if _accumulators.accumulation_dtype(dtype, requested) != dtype:
+            return False
+    if not scaled:
+        return True
+
+    def tangents(*primals: Any) -> Any:
+        def values(*diff: Any) -> Any:
+            full = list(args)
+            for i, d in zip(nums, diff, strict=True):
+                full[i] = d
+            return losses(*full, **kwargs)[0]
+
+        return jax.jvp(values, primals, primals)
+
+    program = jax.make_jaxpr(tangents)(*[args[i] for i in nums])
+    return not _programs.calls(program, NONLINEAR_IN_COTANGENT)

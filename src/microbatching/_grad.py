@@ -11,7 +11,7 @@ from . import _accumulators, _checks, _examples, _signature, _vmap
 from ._accumulators import AccumulationType
 from ._examples import Aux, identity, no_metrics
 from ._microbatch import Settings, wraps
-from ._typing import Count, P, PyTree
+from ._typing import AccumulatorTree, Count, P, PyTree
 
 
 def micro_grad(
@@ -19,14 +19,14 @@ def micro_grad(
     has_aux: bool = False,
     argnums: int | tuple[int, ...] = 0,
     *,
-    batch_argnums: int | tuple[int, ...] = 1,
+    batch_argnums: int | tuple[int, ...] = _signature.DEFAULT_BATCH_ARGNUMS,
     keep_batch_dim: bool = True,
     microbatch_size: int | None = None,
-    accumulator: Any = AccumulationType.SUM,
+    accumulator: AccumulatorTree = AccumulationType.SUM,
     transform_fn: Callable[[PyTree], PyTree] = identity,
     metrics_fn: Callable[[PyTree], PyTree] = no_metrics,
     num_real_microbatches: Count = None,
-    l2_clip_norm: float | None = None,
+    l2_clip_norm: float | jax.Array | None = None,
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
@@ -52,7 +52,9 @@ def micro_grad(
       has_aux: Whether ``fun`` returns ``(loss, aux)``.
       argnums: The argument(s) to differentiate.
       batch_argnums: The argument(s) with a batch axis 0. Keyword arguments of the call
-        are mapped along axis 0 as well, as in ``jax.vmap``.
+        are mapped along axis 0 as well, as in ``jax.vmap``. Left at its default, a
+        warning names any other positional argument whose leading axis has the batch's
+        size (passed whole to every example); pass ``batch_argnums`` to silence it.
       keep_batch_dim: If True, ``fun`` sees each example as a batch of one (axis 0 of
         size 1); if False, without the batch axis.
       microbatch_size: Examples per microbatch; None does the whole batch at once.
@@ -138,8 +140,12 @@ def micro_grad(
         per_example = _examples.per_example(example, clip, transform, metrics)
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
 
+    unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
+
     def checked(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        example.check_differentiable(axes.to_positions(args, kwargs)[0])
+        positional = axes.to_positions(args, kwargs)[0]
+        example.check_differentiable(positional)
+        unsplit.check(positional)
         return looped(*args, **kwargs)
 
-    return wraps(fun, checked, settings, weights=True)
+    return wraps(fun, checked, axes, settings, weights=True)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
+from . import _sharding
 from ._accumulators import accumulation_dtype
 
 
@@ -43,10 +44,9 @@ def step(
         narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
         return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
 
-    def skipped(index: Any, widened: list[Any]) -> list[Any]:
-        return [jax.numpy.zeros(a.shape, a.dtype) for a in jaxpr.out_avals]
-
     def bounded(index: Any, widened: list[Any]) -> list[Any]:
+        types = jax.eval_shape(compute, index, widened)  # inside shard_map: what varies
+        skipped = lambda index, widened: [_zeros(t) for t in types]  # noqa: E731
         return jax.lax.cond(index < bound, compute, skipped, index, widened)
 
     run = jax.checkpoint(compute if bound is None else bounded, prevent_cse=False)
@@ -62,3 +62,12 @@ def _widen(value: Any, requested: Any) -> Any:
     if jax.numpy.finfo(wide).bits <= jax.numpy.finfo(dtype).bits:
         return value
     return jax.numpy.asarray(value, wide)
+
+
+def _zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``struct``'s type, varying over the same manual mesh axes (``shard_map``)."""
+    sharding = _sharding.explicit_sharding(struct)
+    zeros = jax.numpy.zeros(struct.shape, struct.dtype, out_sharding=sharding)
+    manual = getattr(struct, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(manual, "varying", ())))
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from . import (
     _accumulators,
@@ -20,21 +21,22 @@ from . import (
     _eager,
     _gradients,
     _layout,
+    _programs,
     _progress,
     _sharding,
     _signature,
 )
 from ._accumulators import AccumulationType
 from ._batch import Batch
-from ._signature import RESERVES, WEIGHTS, BatchAxes
-from ._typing import Count, Function, InAxes, P
+from ._signature import OPTIONS, RESERVES, WEIGHTS, BatchAxes
+from ._typing import AccumulatorTree, Count, Function, InAxes, P
 
 
 def microbatch(
     fun: Callable[P, Any],
     argnums: int | tuple[int, ...] | list[int],
     microbatch_size: int | None,
-    accumulator: Any = AccumulationType.SUM,
+    accumulator: AccumulatorTree = AccumulationType.SUM,
     *,
     argnames: str | tuple[str, ...] | list[str] = (),
     in_axes: InAxes = 0,
@@ -111,7 +113,7 @@ def microbatch(
         progress=_checks.ensure_bool("progress", progress),
         allow_remainder=_checks.ensure_bool("allow_remainder", allow_remainder),
     )
-    return wraps(fun, loop(fun, axes, settings), settings)
+    return wraps(fun, loop(fun, axes, settings), axes, settings)
 
 
 STATE_HINT = (
@@ -149,21 +151,44 @@ class Settings:
     allow_remainder: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a wrapped function was built with: its batch arguments and its settings.
+
+    Set on every wrapper as ``__microbatching__``, so that ``plan`` can find the batch in
+    example arguments.
+    """
+
+    axes: BatchAxes
+    settings: Settings
+
+    @property
+    def allow_remainder(self) -> bool:
+        return self.settings.allow_remainder
+
+    def batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The size of the batch axis that a call with these arguments would split."""
+        args, kwargs = self.axes.to_positions(args, kwargs)
+        return _batch.locate(self.axes, args, kwargs, None, None).size
+
+
 def wraps(
-    fun: Callable[P, Any], wrapper: Function, settings: Settings, weights: bool = False
+    fun: Callable[P, Any],
+    wrapper: Function,
+    axes: BatchAxes,
+    settings: Settings,
+    weights: bool = False,
 ) -> Callable[P, Any]:
     """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
 
     Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
-    when one becomes a module field; our wrappers are plain functions. Eager calls go
-    through a cached ``jax.jit`` (``_eager``), unless there is no loop to compile. With
+    when one becomes a module field; our wrappers are plain functions. With
     ``weights`` the signature also has a keyword-only ``example_weights=None``, so that
     ``inspect.signature(...).bind`` (``eqx.filter_jit``, ``donate_argnames``) accepts it.
     """
-    if settings.size is not None:
-        wrapper = _eager.cached(wrapper)
-    out = functools.wraps(fun, updated=())(wrapper)
+    out = functools.wraps(fun, updated=())(_shapes_of_structs(wrapper))
     del out.__wrapped__
+    setattr(out, OPTIONS, Options(axes, settings))
     with contextlib.suppress(TypeError, ValueError):  # builtins may have none
         signature = inspect.signature(fun)
         if weights:
@@ -171,6 +196,31 @@ def wraps(
             setattr(out, RESERVES, True)
         out.__signature__ = signature  # pyright: ignore[reportAttributeAccessIssue]
     return out
+
+
+def _shapes_of_structs(wrapper: Function) -> Function:
+    """``wrapper`` that, called on ``jax.ShapeDtypeStruct`` arguments, returns the shapes
+    and dtypes of its result (``jax.eval_shape``), the other arguments held as they are."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+            return wrapper(*args, **kwargs)
+        abstract = [_is_array(leaf) for leaf in leaves]
+
+        def concrete(arrays: list[Any]) -> Any:
+            it = iter(arrays)
+            full = [next(it) if a else leaf for leaf, a in zip(leaves, abstract, strict=True)]
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return wrapper(*args, **kwargs)
+
+        return jax.eval_shape(concrete, [x for x, a in zip(leaves, abstract, strict=True) if a])
+
+    return call
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray)
 
 
 def _with_weights(signature: inspect.Signature) -> inspect.Signature:
@@ -194,9 +244,14 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
     For ``micro_vmap`` and ``micro_grad`` (``axes.weights``) ``fun`` also takes the
     microbatch's ``example_weights``: the call's, or with a remainder and built-in
     accumulators, 1 on real rows and 0 on the padding of the last microbatch.
+
+    Each call traces ``fun`` once on an abstract microbatch (and once more on the
+    remainder, when it runs apart). Called outside every transformation, the loop around
+    those programs is compiled once per fingerprint (``_eager``) and reused.
     """
     size, name = settings.size, f"{settings.span}({axes.fun_name})"
     padded = axes.weights and not _accumulators.is_custom(settings.accumulator)
+    cache = _eager.Cache()
 
     def looped(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(name):
@@ -222,24 +277,18 @@ def loop(fun: Function, axes: BatchAxes, settings: Settings) -> Function:
                 batch = _batch.locate(axes, args, kwargs, m, count, True)
             for i in batch.batched:  # before the weights are cut into microbatches
                 _layout.check_shards(batch.leaves[i], batch.axes[i] or 0, m, batch.labels[i])
+            loop = Loop(batch, m, padded, given, settings.mesh_axes)
             with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{m}"):
-                split = _accumulators.Split(
-                    batch.num_microbatches, batch.remainder, m, _weighting(batch, m)
-                )
-                acc = _accumulators.combine(
-                    settings.accumulator, split, settings.accumulation_dtype
-                )
-                progress = name if settings.progress else None
-                if given and batch.weights is not None:
-                    # No example of non-zero weight: no microbatch runs, so that what the
-                    # rows hold reaches no gradient either (every row would be a stand-in).
-                    # The skip is the traced bound's, inside the rematerialised step.
-                    kept = jax.numpy.any(batch.leaves[batch.weights] != 0)
-                    batch = dataclasses.replace(
-                        batch, bound=jax.numpy.where(kept, batch.bound, 0).astype(np.int32)
-                    )
-                loop = Loop(batch, m, padded, given, settings.mesh_axes)
-                return _layout.close(_run(fun, loop, acc, settings.accumulation_dtype, progress))
+                programs = _trace(fun, loop)
+                run = Run(loop.static(), settings, name if settings.progress else None)
+                consts, inputs = programs.consts(), loop.inputs()
+                if not _eager.is_concrete((consts, inputs)):
+                    return run(programs.structure(), consts, inputs)
+                keep: list[Any] = []
+                key = (run.loop, programs.fingerprint(keep))
+                structure = programs.structure()
+                compiled = cache.get(key, keep, lambda: jax.jit(functools.partial(run, structure)))
+                return compiled(consts, inputs)
 
     return looped
 
@@ -327,6 +376,38 @@ class Loop:
     substitute: bool
     mesh_axes: tuple[str, ...] | None = None
 
+    def runs_remainder_apart(self) -> bool:
+        """Whether ``fun`` runs on the remainder alone, after the loop."""
+        batch = self.batch
+        reached = not isinstance(batch.bound, int) or batch.bound > batch.full
+        return bool(batch.remainder) and not self.padded and reached
+
+    def static(self) -> Loop:
+        """This loop without arrays: hashable, and the same for calls that loop alike."""
+        batch = self.batch
+        bound = batch.bound if isinstance(batch.bound, int) else None
+        leaves = (None,) * len(batch.leaves)
+        return dataclasses.replace(
+            self, batch=dataclasses.replace(batch, leaves=leaves, bound=bound)
+        )
+
+    def inputs(self) -> tuple[list[Any], Any]:
+        """The arrays that ``static`` leaves out: the batched leaves, and a traced bound."""
+        batch = self.batch
+        bound = None if isinstance(batch.bound, int) else batch.bound
+        return [batch.leaves[i] for i in batch.batched], bound
+
+    def filled(self, leaves: list[Any], bound: Any) -> Loop:
+        """The static loop with its ``inputs`` put back."""
+        batch = self.batch
+        all_leaves = list(batch.leaves)
+        for i, leaf in zip(batch.batched, leaves, strict=True):
+            all_leaves[i] = leaf
+        bound = batch.bound if bound is None else bound
+        return dataclasses.replace(
+            self, batch=dataclasses.replace(batch, leaves=tuple(all_leaves), bound=bound)
+        )
+
     @property
     def trips(self) -> int:
         batch = self.batch
@@ -391,66 +472,147 @@ class Loop:
         return [_layout.take_rows(batch.leaves[i], batch.axes[i] or 0, rows) for i in batch.batched]
 
 
-def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | None) -> Any:
-    """Traces ``fun`` once on an abstract microbatch, then runs it in a fori_loop.
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """``fun`` traced on one microbatch, and on the remainder when it runs apart.
 
-    The trip count is static, so reverse-mode differentiation works: a traced
-    ``num_real_microbatches`` skips the microbatches past it with a ``lax.cond``.
-    ``progress`` names the bar that each microbatch reports to, if any.
+    The jaxprs' constants are what ``fun`` closes over: the call's arguments that are not
+    batched among them. They are passed to the loop apart from the jaxprs (``consts``),
+    so that a compiled loop can be reused for the same ``structure`` with new constants.
     """
-    batch, size = loop.batch, loop.size
-    batched = batch.batched
+
+    main: ClosedJaxpr
+    shapes: Any
+    remainder: ClosedJaxpr | None = None
+
+    def consts(self) -> tuple[list[Any], list[Any]]:
+        rest = [] if self.remainder is None else list(self.remainder.consts)
+        return list(self.main.consts), rest
+
+    def structure(self) -> tuple[Any, Any, Any]:
+        rest = None if self.remainder is None else self.remainder.jaxpr
+        return self.main.jaxpr, self.shapes, rest
+
+    def fingerprint(self, keep: list[Any]) -> Any:
+        rest = None if self.remainder is None else _programs.fingerprint(self.remainder, keep)
+        shapes = jax.tree.structure(self.shapes)
+        return _programs.fingerprint(self.main, keep), shapes, rest
+
+
+def _trace(fun: Function, loop: Loop) -> Programs:
+    """Traces ``fun`` on an abstract microbatch (and on the remainder, if it runs apart)."""
+    batch = loop.batch
 
     def call(microbatch_leaves: list[Any]) -> Any:
         leaves = list(batch.leaves)
-        for i, leaf in zip(batched, microbatch_leaves, strict=True):
+        for i, leaf in zip(batch.batched, microbatch_leaves, strict=True):
             leaves[i] = leaf
         args, kwargs = batch.rebuild(leaves)
         return fun(*args, **kwargs)
 
-    # The reader first: its views check the microbatch size against the shards.
-    take = loop.reader() if batch.num_microbatches else None
-    structs = [
-        _layout.microbatch_struct(batch.leaves[i], batch.axes[i] or 0, size) for i in batched
-    ]
-    try:
-        jaxpr, out_shape = jax.make_jaxpr(call, return_shape=True)(structs)
-    except Exception as err:
-        if "different trace level" in str(err):  # Flax NNX state mutated inside the loop
-            err.add_note(STATE_HINT)
-        raise
-    out_tree = jax.tree.structure(out_shape)
-    carry = acc.init(out_shape)
-    if take is None:
-        return acc.finalize(carry)
+    def traced(structs: list[Any]) -> tuple[ClosedJaxpr, Any]:
+        try:
+            return jax.make_jaxpr(call, return_shape=True)(structs)
+        except Exception as err:
+            if "different trace level" in str(err):  # Flax NNX state mutated inside the loop
+                err.add_note(STATE_HINT)
+            raise
 
+    main, shapes = traced(
+        [
+            _layout.microbatch_struct(batch.leaves[i], batch.axes[i] or 0, loop.size)
+            for i in batch.batched
+        ]
+    )
+    if not loop.runs_remainder_apart():
+        return Programs(main, shapes)
+    remainder, _ = traced(jax.eval_shape(loop.remainder))
+    return Programs(main, shapes, remainder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The loop of one call, as a function of arrays only: ``fun``'s programs' structure
+    (bound once), their constants, and the batch's leaves with the traced bound.
+
+    Attributes:
+      loop: The call's ``Loop``, with no arrays in it (``Loop.static``).
+      settings: The transform's settings.
+      name: The name of the progress bar, or None.
+    """
+
+    loop: Loop
+    settings: Settings
+    name: str | None
+
+    def __call__(
+        self, structure: tuple[Any, Any, Any], consts: tuple[list[Any], list[Any]], inputs: Any
+    ) -> Any:
+        loop = self.loop.filled(*inputs)
+        main, shapes, rest = structure
+        batch, m = loop.batch, loop.size
+        split = _accumulators.Split(
+            batch.num_microbatches, batch.remainder, m, _weighting(batch, m)
+        )
+        acc = _accumulators.combine(
+            self.settings.accumulator, split, self.settings.accumulation_dtype
+        )
+        if loop.substitute and batch.weights is not None:
+            # No example of non-zero weight: no microbatch runs, so that what the rows
+            # hold reaches no gradient either (every row would be a stand-in). The skip
+            # is the traced bound's, inside the rematerialised step.
+            kept = jax.numpy.any(batch.leaves[batch.weights] != 0)
+            bound = jax.numpy.where(kept, batch.bound, 0).astype(np.int32)
+            loop = dataclasses.replace(loop, batch=dataclasses.replace(batch, bound=bound))
+        first = ClosedJaxpr(main, consts[0])
+        apart = None if rest is None else ClosedJaxpr(rest, consts[1])
+        out = _run(first, shapes, apart, loop, acc, self.settings.accumulation_dtype, self.name)
+        return _layout.close(out)
+
+
+def _run(
+    jaxpr: ClosedJaxpr,
+    out_shape: Any,
+    apart: ClosedJaxpr | None,
+    loop: Loop,
+    acc: Any,
+    requested: Any,
+    progress: str | None,
+) -> Any:
+    """Runs ``fun``'s program ``jaxpr`` on each microbatch in a fori_loop.
+
+    The trip count is static, so reverse-mode differentiation works: a traced
+    ``num_real_microbatches`` skips the microbatches past it inside the
+    rematerialised step (``_gradients.step``). ``apart`` is ``fun``'s program on the
+    remainder, run after the loop. ``progress`` names the bar that each microbatch
+    reports to, if any.
+    """
+    batch = loop.batch
+    carry = acc.init(out_shape)
+    if not batch.num_microbatches:
+        return acc.finalize(carry)
+    take = loop.reader()
+    out_tree = jax.tree.structure(out_shape)
     bound = batch.bound
     traced = not isinstance(bound, int)
-    try:  # skip fun inside the checkpoint; under shard_map the zeros may not type-check
-        run = _gradients.step(jaxpr, take, requested, bound if traced else None)
-        jax.eval_shape(run, 0)
-        inner = traced
-    except TypeError:
-        run, inner = _gradients.step(jaxpr, take, requested), False
+    run = _gradients.step(jaxpr, take, requested, bound if traced else None)
 
     def fold(index: Any, carry: Any, out: Any) -> Any:
         carry = acc.update(carry, out, index)
         if progress is not None:
             # The barrier makes the index available only once the carry is computed, so
-            # the report comes after the microbatch's work.
-            index, carry = jax.lax.optimization_barrier((index, carry))
+            # the report comes after the microbatch's work. Only the index is taken from
+            # it: inside shard_map it would make an unvarying carry varying.
+            index = jax.lax.optimization_barrier((index, carry))[0]
             _progress.tick(progress, index, bound)
         return carry
 
     def body(index: Any, carry: Any) -> Any:
         with jax.named_scope(f"{batch.num_microbatches}_microbatches"):
+            out = out_tree.unflatten(run(index))
             if not traced:
-                return fold(index, carry, out_tree.unflatten(run(index)))
-            if inner:
-                out = out_tree.unflatten(run(index))
-                return jax.lax.cond(index < bound, fold, lambda i, c, o: c, index, carry, out)
-            step = lambda i, c: fold(i, c, out_tree.unflatten(run(i)))  # noqa: E731
-            return jax.lax.cond(index < bound, step, lambda i, c: c, index, carry)
+                return fold(index, carry, out)
+            return jax.lax.cond(index < bound, fold, lambda i, c, o: c, index, carry, out)
 
     trips = min(bound, loop.trips) if isinstance(bound, int) else loop.trips
     try:
@@ -463,18 +625,21 @@ def _run(fun: Function, loop: Loop, acc: Any, requested: Any, progress: str | No
             "Accumulator's init must return the carry that its update takes and returns. "
             f"({err})"
         ) from err
-    if batch.remainder and not loop.padded:
-        carry = _remainder(call, loop, acc, carry, progress)
+    if apart is not None:
+        carry = _remainder(apart, out_tree, loop, acc, carry, progress)
     return acc.finalize(carry)
 
 
-def _remainder(call: Function, loop: Loop, acc: Any, carry: Any, progress: str | None) -> Any:
+def _remainder(
+    apart: ClosedJaxpr, out_tree: Any, loop: Loop, acc: Any, carry: Any, progress: str | None
+) -> Any:
     """Folds ``fun`` of the last, partial microbatch into the carry, as microbatch ``full``."""
     batch, full = loop.batch, loop.batch.full
 
     def fold(carry: Any) -> Any:
         with jax.named_scope("remainder"):
-            carry = acc.update(carry, call(loop.remainder()), full)
+            outs = jaxpr_as_fun(apart)(*loop.remainder())
+            carry = acc.update(carry, out_tree.unflatten(outs), full)
             if progress is not None:
                 leaves = jax.tree.leaves(carry)
                 after = jax.numpy.sum(jax.numpy.ravel(leaves[0])[:1]) if leaves else None

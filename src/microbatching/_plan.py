@@ -18,13 +18,14 @@ import jax
 import numpy as np
 
 from . import _checks, _sharding
+from ._signature import OPTIONS
 
 Build = Callable[[int | None], Callable[..., Any]]
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FLOP_UNITS = ("", "K", "M", "G", "T", "P", "E")
 _REMAINDER_FIX = "pass allow_remainder=True to the transform that build calls to try other sizes."
 
-OPTIONS = "__microbatching__"
+
 """The attribute that holds a ``Batching`` on the functions our transforms return."""
 
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
+
+import jax
+import numpy as np
 
 from . import _checks
 from ._typing import AxisSpec, Function
@@ -20,6 +24,9 @@ WEIGHTS = "example_weights"
 
 RESERVES = "__microbatching_example_weights__"
 """The attribute set on our wrappers that take ``example_weights`` themselves."""
+
+OPTIONS = "__microbatching__"
+"""The attribute of our wrappers that holds their ``Options`` (read by ``plan``)."""
 
 TOO_MANY = object()
 """``BatchAxes.rest`` when a call may not pass more positional arguments than there are specs."""
@@ -269,6 +276,51 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
         f"batch_argnums={batch_argnums!r}",
         weights=True,
     )
+
+
+class _Default(int):
+    """An int that is ``micro_grad``'s default ``batch_argnums``, told apart by identity."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+DEFAULT_BATCH_ARGNUMS = _Default(1)
+"""``micro_grad``'s default ``batch_argnums``: 1, and known to have been left unset."""
+
+
+class UnsplitBatchWarning:
+    """Warns, once per wrapped function, that ``batch_argnums`` left at its default
+    passes another argument of the batch's size whole to every example."""
+
+    def __init__(self, axes: BatchAxes, argnums: tuple[int, ...], given: Any) -> None:
+        self._axes, self._argnums = axes, argnums
+        self._pending = given is DEFAULT_BATCH_ARGNUMS
+
+    def check(self, args: tuple[Any, ...]) -> None:
+        if not self._pending or len(args) <= 1:
+            return
+        rows = {np.shape(x)[0] for x in jax.tree.leaves(args[1]) if np.ndim(x)}
+        if len(rows) != 1:
+            return
+        size = rows.pop()
+        for i, arg in enumerate(args):
+            if i == 1 or i in self._argnums:
+                continue
+            if any(np.ndim(x) and np.shape(x)[0] == size for x in jax.tree.leaves(arg)):
+                self._pending = False
+                label, name = self._axes.label(i), self._axes.fun_name
+                warnings.warn(
+                    f"micro_grad({name}): batch_argnums was left at its default, 1, so only "
+                    f"`{self._axes.label(1)}` is split into examples, but `{label}` "
+                    f"(argument {i}) also has {size} rows on axis 0 and is passed whole to "
+                    f"every example. If it holds one entry per example, pass "
+                    f"batch_argnums=(1, {i}); if it is meant whole, pass batch_argnums=1 "
+                    "to say so.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                return
 
 
 def _check_reserved(fun: Function, sig: Signature | None, name: str, transform: str) -> None:

@@ -1,10 +1,13 @@
 """Type aliases shared by the package."""
 
-from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeAlias
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeAlias, Union
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._accumulators import AccumulationType, Accumulator
 
 P = ParamSpec("P")
 """The parameters of the wrapped function, kept by the wrappers."""
@@ -23,3 +26,12 @@ AxisSpec: TypeAlias = int | PyTree | None
 InAxes: TypeAlias = int | np.integer | Sequence[AxisSpec]
 Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
+
+AccumulatorTree: TypeAlias = Union[
+    "AccumulationType",
+    "Accumulator",
+    Sequence["AccumulatorTree"],
+    Mapping[Any, "AccumulatorTree"],
+]
+"""An accumulation kind, a custom ``Accumulator``, or a pytree prefix of the output made
+of them; a string such as ``"mean"`` is a type error (use ``AccumulationType.MEAN``)."""

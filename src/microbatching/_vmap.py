@@ -12,7 +12,7 @@ from . import _accumulators, _checks, _signature
 from ._accumulators import AccumulationType
 from ._microbatch import Settings, loop, wraps
 from ._signature import WEIGHTS, BatchAxes
-from ._typing import Count, Function, InAxes, P, VmapFn
+from ._typing import AccumulatorTree, Count, Function, InAxes, P, VmapFn
 
 
 def micro_vmap(
@@ -22,7 +22,7 @@ def micro_vmap(
     *,
     microbatch_size: int | None = None,
     vmap_fn: VmapFn = jax.vmap,
-    accumulator: Any = AccumulationType.CONCAT,
+    accumulator: AccumulatorTree = AccumulationType.CONCAT,
     num_real_microbatches: Count = None,
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
@@ -109,7 +109,7 @@ def micro_vmap(
         _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     looped = build(fun, axes, _checks.ensure_callable("vmap_fn", vmap_fn), settings)
-    return wraps(fun, looped, settings, weights=True)
+    return wraps(fun, looped, axes, settings, weights=True)
 
 
 def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:

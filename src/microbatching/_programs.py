@@ -1,0 +1,125 @@
+"""Reading traced programs: what a program's computation depends on, and what it calls."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import jax
+import jax.core
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+UNUSED_WHEN_NOT_DIFFERENTIATED = {
+    "custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
+    "custom_vjp_call": {"fwd_jaxpr_thunk", "bwd", "out_trees"},
+}
+"""Parameters that only a derivative of the program reads. ``fingerprint`` leaves them
+out: the eager cache runs its programs on concrete values, which nothing differentiates."""
+
+SMALL_BYTES = 1 << 16
+"""Constants of nested programs up to this size are keyed by value, larger by identity."""
+
+_PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
+
+
+def fingerprint(program: ClosedJaxpr, keep: list[Any]) -> Hashable:
+    """What the computation of ``program`` depends on, except its constants' values.
+
+    Equations with every parameter and literal by value where its type has value
+    equality; by identity otherwise, with the object appended to ``keep`` so that the
+    caller can hold it and its identity is never reused. Constants by type only.
+    """
+    consts = tuple(_aval(c) for c in program.consts)
+    return consts, _jaxpr(program.jaxpr, keep)
+
+
+def _aval(value: Any) -> Hashable:
+    return type(value).__name__, jax.typeof(value)
+
+
+def _jaxpr(jaxpr: Jaxpr, keep: list[Any]) -> Hashable:
+    ids: dict[Any, int] = {}
+
+    def var(v: Any) -> Hashable:
+        if isinstance(v, Literal):
+            return "literal", _value(v.val, keep), v.aval
+        return ids.setdefault(v, len(ids)), v.aval
+
+    head = tuple(var(v) for v in [*jaxpr.constvars, *jaxpr.invars])
+    eqns = tuple(
+        (
+            e.primitive.name,
+            _params(e.primitive.name, e.params, keep),
+            tuple(var(v) for v in e.invars),
+            tuple(var(v) for v in e.outvars),
+        )
+        for e in jaxpr.eqns
+    )
+    return head, eqns, tuple(var(v) for v in jaxpr.outvars), str(jaxpr.effects)
+
+
+def _params(primitive: str, params: dict[str, Any], keep: list[Any]) -> Hashable:
+    skip = UNUSED_WHEN_NOT_DIFFERENTIATED.get(primitive, set())
+    return tuple(
+        (name, _param(value, keep)) for name, value in sorted(params.items()) if name not in skip
+    )
+
+
+def _param(value: Any, keep: list[Any]) -> Hashable:
+    if isinstance(value, ClosedJaxpr):
+        return "closed", _jaxpr(value.jaxpr, keep), tuple(_value(c, keep) for c in value.consts)
+    if isinstance(value, Jaxpr):
+        return "jaxpr", _jaxpr(value, keep)
+    if isinstance(value, tuple | list):
+        return type(value).__name__, tuple(_param(v, keep) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, _param(v, keep)) for k, v in sorted(value.items()))
+    return _value(value, keep)
+
+
+def _value(value: Any, keep: list[Any]) -> Hashable:
+    """A parameter or literal by value where its type has value equality, else by identity."""
+    if isinstance(value, _PLAIN):
+        return type(value), value
+    if isinstance(value, float | complex):
+        return type(value), repr(value)  # -0.0 and NaN as themselves
+    if isinstance(value, np.ndarray | np.generic | jax.Array) and not isinstance(
+        value, jax.core.Tracer
+    ):
+        array = np.asarray(value)
+        if array.nbytes <= SMALL_BYTES:
+            return "array", array.dtype, array.shape, array.tobytes()
+    if type(value).__eq__ is not object.__eq__ and not callable(value):
+        try:
+            hash(value)
+        except TypeError:
+            pass
+        else:
+            return type(value), value
+    keep.append(value)
+    return "identity", id(value)
+
+
+def calls(program: ClosedJaxpr, names: set[str]) -> bool:
+    """Whether ``program`` applies a primitive named in ``names``, at any depth."""
+    return any(e.primitive.name in names for e in _equations(program.jaxpr))
+
+
+def _equations(jaxpr: Jaxpr) -> Iterator[Any]:
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            for inner in _jaxprs(value):
+                yield from _equations(inner)
+
+
+def _jaxprs(value: Any) -> Iterator[Jaxpr]:
+    if isinstance(value, ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, Jaxpr):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _jaxprs(v)

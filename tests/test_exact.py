@@ -1,0 +1,263 @@
+"""Shortcuts that must equal the plain computation: eager calls, the summed-gradient
+fast path, norms at the ends of the float range, and defaults that could drop a batch."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from microbatching import AccumulationType, _examples, micro_grad, micro_vmap, microbatch
+
+from .strategies import assert_close, random_array
+
+SUM, MEAN, CONCAT = AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.CONCAT
+X = random_array(0, (8, 3), jnp.float32)
+P = jnp.array([1.0, -0.5, 2.0])
+
+
+class Compiles:
+    """Counts XLA compilations while it is entered."""
+
+    def __enter__(self):
+        self.count = 0
+        self._on = True
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, event, duration_secs, **kwargs):
+        if self._on and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def __exit__(self, *exc):
+        self._on = False
+
+
+# --- eager calls behave as un-jitted calls ------------------------------------------
+
+
+def test_eager_call_reads_the_current_globals():
+    state = {"k": 1.0}
+    scaled = micro_vmap(lambda v: v * state["k"], microbatch_size=2)
+    assert_close(scaled(X), X)
+    state["k"] = 2.0
+    assert_close(scaled(X), 2 * X)
+
+
+def test_eager_call_reads_a_global_array_without_compiling_again():
+    state = {"w": jnp.ones(3)}
+    fun = microbatch(lambda x: jnp.sum(x @ state["w"]), 0, 2)
+    assert_close(fun(X), jnp.sum(X))
+    state["w"] = jnp.full(3, 3.0, jnp.float32)  # not weakly typed, as jnp.ones(3) is not
+    with Compiles() as compiles:
+        got = fun(X)
+    assert_close(got, 3 * jnp.sum(X))
+    assert compiles.count == 0
+
+
+def test_side_effects_of_fun_run_at_every_eager_call_and_the_second_compiles_nothing():
+    calls = []
+
+    def fun(x, scale):
+        calls.append(scale)
+        return jnp.sum(x) * scale
+
+    wrapped = microbatch(fun, 0, 4)
+    assert_close(wrapped(X, 2.0), jnp.sum(X) * 2)
+    doubled = X * 2
+    with Compiles() as compiles:
+        got = wrapped(doubled, 2.0)
+    assert_close(got, jnp.sum(X) * 4)
+    assert compiles.count == 0
+    assert calls == [2.0, 2.0]
+    assert_close(wrapped(X, 3.0), jnp.sum(X) * 3)  # a new number: a new program
+
+
+def test_eager_call_keeps_a_non_batch_argument_concrete():
+    def fun(x, flag):
+        if flag:
+            return x * 2
+        return x
+
+    wrapped = microbatch(fun, 0, 2, CONCAT)
+    assert_close(wrapped(X, jnp.array(True)), X * 2)
+    assert_close(wrapped(X, jnp.array(False)), X)
+    sized = microbatch(lambda x, n: jnp.sum(x) + jnp.zeros(n), 0, 2)
+    assert sized(X, np.int64(3)).shape == (3,)
+
+
+def test_eager_call_inside_grad_closing_over_the_traced_parameter():
+    def outer(p):
+        return jnp.sum(micro_vmap(lambda v: jnp.sin(v * p), microbatch_size=2)(X))
+
+    want = jax.grad(lambda p: jnp.sum(jnp.sin(X * p)))(1.5)
+    assert_close(jax.grad(outer)(1.5), want)
+    assert_close(jax.grad(outer)(1.5), want)  # nothing of the first trace is reused
+
+
+def test_shape_dtype_struct_arguments_give_shapes():
+    fun = microbatch(lambda x, y: (x * 2, jnp.sum(y)), 0, 2, (CONCAT, SUM))
+    out = fun(jax.ShapeDtypeStruct((8, 3), jnp.float32), jnp.ones(2))
+    assert out == (
+        jax.ShapeDtypeStruct((8, 3), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+
+
+# --- the summed-gradient fast path ---------------------------------------------------
+
+
+@jax.custom_vjp
+def clip_gradient(x):
+    return x
+
+
+clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+
+def clipped_loss(p, v):
+    return jnp.sum(clip_gradient(v @ p))
+
+
+def _per_example(loss, p, x):
+    return jax.vmap(jax.grad(loss), (None, 0))(p, x)
+
+
+def _clip_rows(grads, bound):
+    norms = np.linalg.norm(np.asarray(grads, np.float64), axis=1, keepdims=True)
+    return np.asarray(grads, np.float64) * np.minimum(1.0, bound / norms)
+
+
+def test_custom_vjp_with_clipping_equals_per_example_clipping():
+    want = _clip_rows(_per_example(clipped_loss, P, X), 0.2).sum(0)
+    got, _ = micro_grad(clipped_loss, microbatch_size=4, l2_clip_norm=0.2)(P, X)
+    assert_close(got, want.astype(np.float32), terms=8)
+
+
+def test_custom_vjp_with_weights_equals_weighted_per_example_gradients():
+    weights = jnp.array([0.5, 2.0, 0.0, 1.0, 3.0, 1.0, 0.25, 1.0])
+    want = (np.asarray(weights)[:, None] * np.asarray(_per_example(clipped_loss, P, X))).sum(0)
+    got, _ = micro_grad(clipped_loss, microbatch_size=4)(P, X, example_weights=weights)
+    assert_close(got, want.astype(np.float32), terms=8)
+
+
+def test_custom_vjp_with_a_remainder_equals_per_example_gradients():
+    x = random_array(3, (7, 3), jnp.float32)
+    want = np.asarray(_per_example(clipped_loss, P, x)).sum(0)
+    got, _ = micro_grad(clipped_loss, microbatch_size=4, allow_remainder=True)(P, x)
+    assert_close(got, want, terms=7)
+
+
+def _exact(loss, scaled, dtype=jnp.float32, requested=None):
+    example = _examples.Examples(loss, _axes(loss), 0, False, True)
+    losses = jax.vmap(example.loss, (None, 0))
+    args = (P.astype(dtype), X.astype(dtype))
+    return _examples._summed_is_exact(example, losses, requested, scaled, args, {})
+
+
+def _axes(loss):
+    from microbatching import _signature
+
+    return _signature.grad_axes(loss, 1)
+
+
+def test_fast_path_rule_takes_only_what_it_can_prove():
+    relu_loss = lambda p, v: jnp.sum(jax.nn.relu(v @ p))  # noqa: E731  custom_jvp: linear
+    assert _exact(relu_loss, scaled=True)
+    assert _exact(clipped_loss, scaled=False)  # every cotangent 1: each example's own VJP
+    assert not _exact(clipped_loss, scaled=True)  # a user-written backward rule
+    assert not _exact(relu_loss, scaled=False, dtype=jnp.float16)  # summed in float16
+    assert _exact(relu_loss, scaled=False, dtype=jnp.float16, requested=jnp.float16)
+
+
+def test_custom_vjp_nested_in_a_custom_jvp_rule_is_seen():
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda primals, tangents: (primals[0], clip_gradient(tangents[0])))
+    assert not _exact(lambda p, v: jnp.sum(f(v @ p)), scaled=True)
+
+
+# --- norms at the ends of the float range --------------------------------------------
+
+PATHS = {
+    "fast": {},
+    "per-example": {"transform_fn": lambda g: jax.tree.map(lambda x: x * 1, g)},
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale", [1e25, 1e-30])
+def test_clipping_huge_and_tiny_gradients(path, scale):
+    bound = scale * 1e-3 if scale < 1 else 1.0  # every example clipped
+    loss = lambda p, v: scale * jnp.sum(v @ p)  # noqa: E731
+    got, _ = micro_grad(loss, microbatch_size=4, l2_clip_norm=bound, **PATHS[path])(P, X)
+    rows = np.asarray(X, np.float64)
+    want = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).sum(0)
+    assert_close(np.asarray(got, np.float64) / bound, want.astype(np.float32), terms=8)
+
+
+def test_norms_of_huge_and_tiny_gradients_match_float64():
+    from microbatching import _clipping
+
+    for scale in [1e30, 1e-30, 0.0]:
+        grads = {"a": X * scale, "b": X[:, :2] * scale}
+        got = _clipping.row_norms(grads, 8)
+        wide = np.concatenate([np.asarray(X, np.float64), np.asarray(X[:, :2], np.float64)], 1)
+        want = np.linalg.norm(wide * scale, axis=1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(want, initial=0.0))
+
+
+def test_float16_mean_of_large_gradients_does_not_overflow():
+    f16 = jnp.float16
+    grads, _ = micro_grad(lambda w, x: jnp.sum(x @ w), accumulator=MEAN)(
+        jnp.ones(2, f16), jnp.full((128, 2), 1000.0, f16)
+    )
+    assert grads.dtype == f16
+    np.testing.assert_array_equal(np.asarray(grads, np.float32), 1000.0)
+
+
+# --- defaults that would drop a batch, and has_aux ------------------------------------
+
+
+def _loss_xy(p, x, y):
+    return jnp.sum((x @ p - y) ** 2)
+
+
+def test_default_batch_argnums_warns_once_about_another_batch_argument():
+    y = random_array(1, (8,), jnp.float32)
+    wrapped = micro_grad(_loss_xy, microbatch_size=4)
+    with pytest.warns(
+        UserWarning,
+        match=r"batch_argnums was left at its default, 1, so only `x` is split into examples, "
+        r"but `y` \(argument 2\) also has 8 rows on axis 0 and is passed whole to every "
+        r"example\. If it holds one entry per example, pass batch_argnums=\(1, 2\)",
+    ):
+        wrapped(P, X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(P, X, y)  # once
+        micro_grad(_loss_xy, batch_argnums=1, microbatch_size=4)(P, X, y)  # explicit
+        got, _ = micro_grad(_loss_xy, batch_argnums=(1, 2), microbatch_size=4)(P, X, y)
+    want = jax.vmap(jax.grad(_loss_xy), (None, 0, 0))(P, X, y).sum(0)
+    assert_close(got, want, terms=8)
+
+
+def test_has_aux_false_with_a_pair_names_has_aux():
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad needs fun to return a scalar loss, but it returned a tuple of 2; "
+        r"if fun returns \(loss, aux\), pass has_aux=True\.",
+    ):
+        micro_grad(lambda p, v: (jnp.sum(v @ p), 1.0), microbatch_size=4)(P, X)
+
+
+def test_has_aux_true_with_a_scalar_names_has_aux():
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad was given has_aux=True, so fun must return a pair \(loss, aux\), "
+        r"but it returned an array of shape \(\); return \(loss, aux\), or pass has_aux=False\.",
+    ):
+        micro_grad(lambda p, v: jnp.sum(v @ p), has_aux=True, microbatch_size=4)(P, X)
