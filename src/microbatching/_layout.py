@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from . import _sharding
@@ -29,20 +30,24 @@ REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min}
 EXTREMA = ("max", "min")
 
 
-def identity(how: str, dtype: Any) -> Any:
-    """The identity of ``max`` or ``min`` for ``dtype``: what no rows reduce to."""
+def identity(how: str, dtype: Any) -> np.ndarray:
+    """The identity of ``max`` or ``min`` for ``dtype``: what no rows reduce to.
+
+    A 0-d array of ``dtype``: as a Python int, the greatest ``uint32`` would overflow
+    JAX's default ``int32`` when passed on (``initial=``, ``full_like``).
+    """
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bool_:
-        return how == "min"
+        return np.array(how == "min", dtype)
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
-        return info.min if how == "max" else info.max
+        return np.array(info.min if how == "max" else info.max, dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"AccumulationType.{how.upper()} needs ordered results, but fun returned a leaf of "
             f"dtype {dtype}; take the real part or the modulus inside fun."
         )
-    return -jnp.inf if how == "max" else jnp.inf
+    return np.array(-np.inf if how == "max" else np.inf, dtype)
 
 
 def reduce(x: jax.Array, how: str, axis: int, dtype: Any = None) -> jax.Array:
@@ -110,7 +115,11 @@ class Shards:
 
 
 def shards(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> Shards | None:
-    """How ``leaf``'s batch axis is sharded: from its type, else from ``mesh_axes``."""
+    """How ``leaf``'s batch axis is sharded: from its type, else from ``mesh_axes``.
+
+    ``mesh_axes`` counts on Auto mesh axes only: on Explicit ones an array's type says
+    how it is sharded, and a batch whose type names no mesh (placed outside it) is not.
+    """
     sharding = _sharding.explicit_sharding(leaf)
     if sharding is not None:
         entry = _sharding.spec_of(sharding, leaf.ndim)[axis]
@@ -130,6 +139,8 @@ def shards(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> Shards | 
             f"batch_mesh_axes={mesh_axes!r} names {missing}, which the mesh (axes "
             f"{tuple(mesh.shape)}) does not have; name axes of the mesh."
         )
+    if any(name in mesh.explicit_axes for name in mesh_axes):
+        return None  # the types say how a batch is sharded: this one is not on the mesh
     count = math.prod(mesh.shape[name] for name in mesh_axes)
     entry = mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
     return Shards(count, entry, False) if count > 1 else None
