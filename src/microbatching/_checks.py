@@ -173,17 +173,34 @@ def ensure_mesh_axes(batch_mesh_axes: Any) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def ensure_clip_norm(l2_clip_norm: Any) -> float | None:
-    """None, or a positive finite number."""
+def ensure_clip_norm(l2_clip_norm: Any) -> float | jax.Array | None:
+    """None, or a positive finite real scalar: a number or a 0-d array.
+
+    A concrete value is checked and becomes a Python float, so the clipping math stays in
+    the gradient's dtype; a traced one (``micro_grad`` built inside ``jit``) cannot be
+    checked and stays an array.
+    """
     if l2_clip_norm is None:
         return None
-    if isinstance(l2_clip_norm, bool) or not isinstance(l2_clip_norm, int | float | np.number):
+    dtype = getattr(l2_clip_norm, "dtype", None)
+    real = (
+        dtype is not None
+        and np.shape(l2_clip_norm) == ()
+        and (jax.numpy.issubdtype(dtype, jax.numpy.floating) or np.issubdtype(dtype, np.integer))
+    )
+    if not (real or is_int(l2_clip_norm) or isinstance(l2_clip_norm, float)):
         raise TypeError(
-            f"l2_clip_norm must be a positive number or None, got {l2_clip_norm=}; pass e.g. 1.0."
+            f"l2_clip_norm must be a positive number or None, got {l2_clip_norm=} of type "
+            f"{type(l2_clip_norm).__name__}; pass a real scalar such as 1.0 or "
+            "jnp.float32(1.0), not a bool or an array with axes."
         )
-    if not 0 < float(l2_clip_norm) < float("inf"):
+    try:
+        value = float(l2_clip_norm)
+    except jax.errors.ConcretizationTypeError:
+        return jax.numpy.asarray(l2_clip_norm)
+    if not 0 < value < float("inf"):
         raise ValueError(
             f"l2_clip_norm must be positive and finite, got {l2_clip_norm=}; pass e.g. 1.0, "
             "or None for no clipping."
         )
-    return float(l2_clip_norm)
+    return value
