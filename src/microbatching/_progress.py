@@ -4,7 +4,9 @@ With ``progress=True`` the loop body calls back to the host once per microbatch
 (``jax.debug.callback``), with the microbatch's index and the number that will run. The
 host prints a bar to standard error: redrawn in place on a terminal, and one line per
 ``STEP_PERCENT`` percent when the output is a file or a pipe (a log). Each process prints
-its own bar. With ``progress=False`` the compiled program holds no callback at all.
+its own bar. Inside ``shard_map`` every shard calls back; the host keeps the first report of
+each microbatch and drops the other shards' copies of it. With ``progress=False`` the
+compiled program holds no callback at all.
 
 No dependency: a bar is a few lines, and tqdm would add a runtime dependency for them.
 """
@@ -27,6 +29,8 @@ WIDTH = 30
 
 _lock = threading.Lock()
 _last: dict[str, tuple[int, float]] = {}
+_shards: dict[tuple[str, int], set[int]] = {}
+"""Per bar and microbatch, the shards that have reported it in the current call."""
 
 
 def tick(name: str, index: Any, total: Any, after: Any = None) -> None:
@@ -36,15 +40,17 @@ def tick(name: str, index: Any, total: Any, after: Any = None) -> None:
     it where ``index`` is a constant (the remainder after the loop), which XLA would
     otherwise report first.
     """
-    jax.debug.callback(functools.partial(_report, name), index, total, after)
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # inside shard_map
+    shard = jax.lax.axis_index(manual) if manual else 0
+    jax.debug.callback(functools.partial(_report, name), index, total, shard, after)
 
 
-def _report(name: str, index: Any, total: Any, after: Any = None) -> None:
+def _report(name: str, index: Any, total: Any, shard: Any = 0, after: Any = None) -> None:
     done, total = int(index) + 1, int(total)
     stream = sys.stderr
     label = name if jax.process_count() == 1 else f"[process {jax.process_index()}] {name}"
     with _lock:
-        if not _due(label, done, total, stream.isatty()):
+        if not _first(label, done, int(shard)) or not _due(label, done, total, stream.isatty()):
             return
         line = _line(label, done, total)
         if stream.isatty():
@@ -52,6 +58,17 @@ def _report(name: str, index: Any, total: Any, after: Any = None) -> None:
         else:
             stream.write(line + "\n")
         stream.flush()
+
+
+def _first(label: str, done: int, shard: int) -> bool:
+    """Whether this is the first report of microbatch ``done`` in this call: a shard that
+    reported it already starts a new call; one that did not repeats another shard's."""
+    seen = _shards.setdefault((label, done), set())
+    if seen and shard not in seen:
+        seen.add(shard)
+        return False
+    _shards[(label, done)] = {shard}
+    return True
 
 
 def _due(label: str, done: int, total: int, terminal: bool) -> bool:
