@@ -1,14 +1,17 @@
 """Shortcuts that must equal the plain computation: eager calls, the summed-gradient
 fast path, norms at the ends of the float range, and defaults that could drop a batch."""
 
+import gc
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from microbatching import AccumulationType, _examples, micro_grad, micro_vmap, microbatch
+from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
+from microbatching import _per_example as per_example
 
 from .strategies import assert_close, random_array
 
@@ -150,10 +153,10 @@ def test_custom_vjp_with_a_remainder_equals_per_example_gradients():
 
 
 def _exact(loss, scaled, dtype=jnp.float32, requested=None):
-    example = _examples.Examples(loss, _axes(loss), 0, False, True)
+    example = per_example.Examples(loss, _axes(loss), 0, False, True)
     losses = jax.vmap(example.loss, (None, 0))
     args = (P.astype(dtype), X.astype(dtype))
-    return _examples._summed_is_exact(example, losses, requested, scaled, args, {})
+    return per_example._summed_is_exact(example, losses, requested, scaled, args, {})
 
 
 def _axes(loss):
@@ -261,3 +264,91 @@ def test_has_aux_true_with_a_scalar_names_has_aux():
         r"but it returned an array of shape \(\); return \(loss, aux\), or pass has_aux=False\.",
     ):
         micro_grad(lambda p, v: jnp.sum(v @ p), has_aux=True, microbatch_size=4)(P, X)
+
+
+# --- found by trying to break the rules above ------------------------------------------
+
+IDENTITY = {"transform_fn": lambda g: jax.tree.map(lambda x: x * 1, g)}  # forces per-example
+
+
+@pytest.mark.parametrize("size", [None, 64])
+def test_narrow_computation_of_wide_parameters_sums_in_float32(size):
+    loss = lambda w, x: jnp.sum(w.astype(jnp.float16) * x.astype(jnp.float16)).astype(  # noqa: E731
+        jnp.float32
+    )
+    x = jnp.full((128, 2), 1000.0, jnp.float32)  # each example's gradient is [1000, 1000]
+    got, _ = micro_grad(loss, keep_batch_dim=False, microbatch_size=size)(jnp.ones(2), x)
+    np.testing.assert_array_equal(np.asarray(got), 128000.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_clip_factors_are_not_rounded_to_a_narrow_loss(dtype):
+    loss = lambda w, x: jnp.sum(w.astype(dtype) * x.astype(dtype))  # noqa: E731
+    x = jnp.asarray([[2.3261563, 1.5266447, 1.0413019, 2.5167572]], jnp.float32)
+    got, _ = micro_grad(loss, keep_batch_dim=False, l2_clip_norm=1.0)(jnp.ones(4), x)
+    want = np.asarray(x[0].astype(dtype), np.float64)
+    want = want / np.linalg.norm(want)
+    assert_close(got, want.astype(np.float32))
+
+
+def test_iterative_linear_solve_with_clipping_equals_per_example_clipping():
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=(6, 6))
+    a = jnp.asarray(m @ m.T + 0.5 * np.eye(6), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 6)) * 3, jnp.float32)
+    w = jnp.asarray(rng.normal(size=6), jnp.float32)
+
+    def loss(w, x):
+        solved = jax.scipy.sparse.linalg.cg(lambda v: a @ v, x * w, tol=0.0, atol=0.5)[0]
+        return jnp.sum(solved * x)
+
+    want = _clip_rows(jax.vmap(jax.grad(loss), (None, 0))(w, x), 0.3).sum(0)
+    got, _ = micro_grad(loss, keep_batch_dim=False, microbatch_size=4, l2_clip_norm=0.3)(w, x)
+    assert_close(got, want.astype(np.float32), terms=8, factor=10)  # an iterative solve
+
+
+def test_norms_above_two_to_the_126_are_not_flushed_to_zero():
+    from microbatching import _clipping
+
+    assert_close(_clipping.norm(jnp.array([9e37, 1.0], jnp.float32)), np.float32(9e37))
+
+
+def test_eager_call_sees_a_numpy_array_changed_in_place_inside_a_nested_jit():
+    table = np.asarray(np.random.default_rng(1).normal(size=(3, 20000)), np.float32)
+    fun = lambda x: jnp.sum(jax.jit(lambda y: y @ table)(x))  # noqa: E731
+    wrapped = microbatch(fun, 0, 4)
+    assert_close(wrapped(X), fun(X), factor=100)
+    table += 1.0
+    assert_close(wrapped(X), fun(X), factor=100)
+
+
+def test_eager_call_follows_the_prng_configuration():
+    key = jax.random.key(0)
+    fun = lambda x: jnp.sum(x * jax.random.normal(key, (4, 3)))  # noqa: E731
+    wrapped = microbatch(fun, 0, 4)
+    x = jnp.ones((8, 3))
+    try:
+        for partitionable in (True, False):
+            jax.config.update("jax_threefry_partitionable", partitionable)
+            assert_close(wrapped(x), fun(x[0::2]) + fun(x[1::2]))
+    finally:
+        jax.config.update("jax_threefry_partitionable", True)
+
+
+def test_eager_call_with_a_typed_key_inside_a_nested_jit():
+    key = jax.random.key(0)
+    fun = lambda x: jnp.sum(jax.jit(lambda y: y * jax.random.normal(key, (1, 3)))(x))  # noqa: E731
+    assert_close(microbatch(fun, 0, 4)(X), fun(X))
+
+
+def test_programs_naming_objects_by_identity_are_not_kept():
+    weights = {"w": jnp.ones(3)}
+    fun = lambda x: jnp.sum(jax.jit(lambda y: y @ weights["w"])(x))  # noqa: E731
+    wrapped = microbatch(fun, 0, 4)
+    assert_close(wrapped(X), fun(X))
+    first = weakref.ref(weights["w"])
+    for scale in (2.0, 3.0):
+        weights["w"] = jnp.full(3, scale, jnp.float32)
+        assert_close(wrapped(X), fun(X))
+    gc.collect()
+    assert first() is None  # no compiled program holds the first array

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from microbatching import _per_example as per_example_room
 from microbatching import (
     AccumulationType,
     Accumulator,
-    _examples,
     micro_grad,
     micro_vmap,
     microbatch,
@@ -265,7 +265,7 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
     summed = lambda p, x, y: _mlp_loss(p, x, y) * x.shape[0]  # noqa: E731
     gradient_bytes = 4 * (64 * 256 + 256 * 16)
-    monkeypatch.setattr(_examples, "CHUNK_BYTES", 16 * gradient_bytes)
+    monkeypatch.setattr(per_example_room, "CHUNK_BYTES", 16 * gradient_bytes)
     common = {"batch_argnums": (1, 2), "microbatch_size": 256}
     base = _temp(microbatch(jax.grad(summed), (1, 2), 256, SUM), params, x, y)
     fast = _temp(micro_grad(_mlp_loss, **common), params, x, y)

@@ -325,17 +325,50 @@ class Split:
     weighting: Weighting | None = None
 
 
-def _builtin(kind: AccumulationType, split: Split, requested: Any, mesh_axes: Any) -> Accumulator:
-    n, weighting = split.num_microbatches, split.weighting
-    if kind is AccumulationType.SUM:
-        return sum_(requested, mesh_axes)
-    if kind is AccumulationType.MEAN:
-        return mean(n, requested, mesh_axes, weighting)
-    if kind is AccumulationType.RUNNING_MEAN:
-        return running_mean(n, requested, mesh_axes, weighting)
-    if kind in (AccumulationType.MAX, AccumulationType.MIN):
-        return extremum(kind.name.lower(), mesh_axes)
-    return concat(n, split.remainder, split.microbatch_size)
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What one ``AccumulationType`` means, in one place.
+
+    Attributes:
+      rows: How the rows of one microbatch combine: ``"sum"``, ``"mean"``, ``"max"`` or
+        ``"min"``; None keeps them (CONCAT).
+      linear: Whether the kind commutes with sums over examples, so that a sum of
+        per-example results may be formed by other means (``micro_grad``'s summed
+        gradient). A microbatch then contributes the sum of its rows, divided by its
+        rows where ``rows`` is ``"mean"``.
+      build: The accumulator over microbatches, from the split, the accumulation dtype
+        and the mesh axes the rows are sharded over.
+    """
+
+    rows: str | None
+    linear: bool
+    build: Callable[[Split, Any, Any], Accumulator]
+
+
+KINDS: dict[AccumulationType, Kind] = {
+    AccumulationType.SUM: Kind("sum", True, lambda split, dtype, axes: sum_(dtype, axes)),
+    AccumulationType.MEAN: Kind(
+        "mean",
+        True,
+        lambda split, dtype, axes: mean(split.num_microbatches, dtype, axes, split.weighting),
+    ),
+    AccumulationType.RUNNING_MEAN: Kind(
+        "mean",
+        True,
+        lambda split, dtype, axes: running_mean(
+            split.num_microbatches, dtype, axes, split.weighting
+        ),
+    ),
+    AccumulationType.MAX: Kind("max", False, lambda split, dtype, axes: extremum("max", axes)),
+    AccumulationType.MIN: Kind("min", False, lambda split, dtype, axes: extremum("min", axes)),
+    AccumulationType.CONCAT: Kind(
+        None,
+        False,
+        lambda split, dtype, axes: concat(
+            split.num_microbatches, split.remainder, split.microbatch_size
+        ),
+    ),
+}
 
 
 def _foreign(leaf: Any) -> Any:
@@ -398,7 +431,7 @@ def combine(
     layout = layout if isinstance(layout, Split) else Split(layout)
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
     accs = [
-        s if isinstance(s, Accumulator) else _builtin(s, layout, requested, mesh_axes)
+        s if isinstance(s, Accumulator) else KINDS[s].build(layout, requested, mesh_axes)
         for s in specs
     ]
 
@@ -453,13 +486,12 @@ def weighted_aggregate(
 
     def one(kind: Any, x: jax.Array) -> Any:
         mask = jnp.reshape(keep, (-1,) + (1,) * (jnp.ndim(x) - 1))
-        if kind is AccumulationType.CONCAT:
+        how = KINDS[kind].rows
+        if how is None:
             return jnp.where(mask, x, jnp.zeros((), x.dtype))
-        if kind in (AccumulationType.MAX, AccumulationType.MIN):
-            how = kind.name.lower()
+        if how in _layout.EXTREMA:
             rows = jnp.where(mask, x, jnp.asarray(_layout.identity(how, x.dtype), x.dtype))
             return _layout.reduce_rows(rows, how, x.dtype, x.dtype, mesh_axes)
-        how = "sum" if kind is AccumulationType.SUM else "mean"
         dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
         if jnp.issubdtype(weights.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.inexact):
             dtype = jnp.promote_types(weights.dtype, jnp.float32)  # integers by floats: floats
@@ -483,9 +515,9 @@ def weighted_aggregate(
 
 
 def is_linear(accumulator: Any) -> bool:
-    """Whether every leaf is SUM, MEAN or RUNNING_MEAN: reductions that commute with sums."""
-    linear = {AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.RUNNING_MEAN}
-    return all(leaf in linear for leaf in jax.tree.leaves(accumulator, is_leaf=_is_spec))
+    """Whether every leaf is a built-in kind that commutes with sums (``Kind.linear``)."""
+    leaves = jax.tree.leaves(accumulator, is_leaf=_is_spec)
+    return all(isinstance(leaf, AccumulationType) and KINDS[leaf].linear for leaf in leaves)
 
 
 def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
@@ -495,7 +527,7 @@ def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
     factor = 1 / rows if rows else float("nan")  # the mean of no rows
     scaled = [
         part
-        if spec is AccumulationType.SUM
+        if KINDS[spec].rows == "sum"
         else jax.tree.map(lambda x: _scale(x, factor), part, is_leaf=is_open)
         for spec, part in zip(specs, parts, strict=True)
     ]

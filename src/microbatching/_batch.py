@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._signature import TOO_MANY, WEIGHTS, BatchAxes
@@ -39,10 +40,17 @@ class Batch:
     bound: int | jax.Array
     remainder: int = 0
     weights: int | None = None
+    microbatch_size: int | None = None
+    substitute: bool = False
 
     def rebuild(self, leaves: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        """The call's arguments from ``leaves`` (the weights, last, are not among them)."""
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves[: self.treedef.num_leaves])
         return tuple(args), kwargs
+
+    def weights_of(self, leaves: Sequence[Any]) -> Any:
+        """The ``example_weights`` among ``leaves``, or None."""
+        return None if self.weights is None else leaves[self.weights]
 
     @property
     def full(self) -> int:
@@ -59,11 +67,19 @@ def locate(
     binding: BatchAxes,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    weights: Any,
     microbatch_size: int | None,
     count: Count,
     allow_remainder: bool = False,
+    pad: bool = False,
 ) -> Batch:
-    """Flattens a call and finds each batched leaf, checking shapes and batch sizes."""
+    """The plan of one call: flattens it, finds each batched leaf, checks shapes and sizes.
+
+    ``weights`` (``example_weights``, or None) follow the call's leaves, with axis 0.
+    Without ``microbatch_size`` a weighted call runs as one microbatch of the whole batch.
+    With ``pad`` a remainder runs in the loop as a whole microbatch whose padding rows are
+    masked: a call without weights gets a mask of ones.
+    """
     _check_call(binding, args, kwargs)
     axes: list[int | None] = []
     labels: list[str] = []
@@ -74,21 +90,28 @@ def locate(
         leaves += [leaf for _, leaf in arg_leaves]
         labels += [label + jax.tree_util.keystr(path) for path, _ in arg_leaves]
         axes += _axes_per_leaf(binding.spec(where), arg, label)
+    if weights is not None:
+        leaves, labels, axes = [*leaves, _weights(weights, binding)], [*labels, WEIGHTS], [*axes, 0]
     axes = [
         _normalise_axis(ax, leaf, lab) for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
     ]
     size = _batch_size(binding, axes, leaves, labels)
+    m = microbatch_size
+    if m is None and weights is not None:
+        m, count = max(size, 1), None
     remainder = 0
-    if microbatch_size is None:
+    if m is None:
         n = size
-    elif allow_remainder:
-        n, remainder = -(-size // microbatch_size), size % microbatch_size
+    elif allow_remainder or microbatch_size is None:
+        n, remainder = -(-size // m), size % m
     else:
-        n = _num_microbatches(binding, size, microbatch_size)
-    treedef = jax.tree.structure((args, kwargs))
-    weights = labels.index(WEIGHTS) if binding.weights and WEIGHTS in kwargs else None
+        n = _num_microbatches(binding, size, m)
+    index = len(leaves) - 1 if weights is not None else None
+    if remainder and pad and weights is None:
+        leaves, labels, axes = [*leaves, jnp.ones(size, bool)], [*labels, WEIGHTS], [*axes, 0]
+        index = len(leaves) - 1
     return Batch(
-        treedef,
+        jax.tree.structure((args, kwargs)),
         tuple(leaves),
         tuple(axes),
         tuple(labels),
@@ -96,7 +119,31 @@ def locate(
         n,
         _bound(count, n),
         remainder,
-        weights,
+        index,
+        m,
+        substitute=weights is not None,
+    )
+
+
+def _weights(weights: Any, binding: BatchAxes) -> jax.Array:
+    """``example_weights`` checked: one bool, integer or float per example."""
+    shape, dtype = getattr(weights, "shape", None), getattr(weights, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"{WEIGHTS} must be an array of one weight per example, got {weights!r} of type "
+            f"{type(weights).__name__}; pass e.g. jnp.ones(batch_size) or a boolean mask."
+        )
+    if len(shape) != 1:
+        raise ValueError(
+            f"{WEIGHTS} must have shape (batch_size,), one weight per example, got shape "
+            f"{tuple(shape)}; pass a vector, e.g. {WEIGHTS}=mask.reshape(-1)."
+        )
+    kind = np.dtype(dtype)
+    if kind == np.bool_ or any(jnp.issubdtype(kind, t) for t in (np.integer, np.floating)):
+        return jnp.asarray(weights)
+    raise TypeError(
+        f"{WEIGHTS} of {binding.transform} must be bool, integer or floating, got dtype "
+        f"{kind}; pass real weights, or a boolean mask."
     )
 
 

@@ -6,6 +6,8 @@ clip to 0, a tiny one norm 0. Each norm here is taken of the gradient divided by
 largest magnitude, then multiplied back: ``m * sqrt(sum((g / m)**2))`` with
 ``m = max |g|``. Every term of the sum is then at most 1, and the largest is exactly 1,
 so the sum neither overflows nor vanishes. The scaling is computed in at least float32.
+A norm beyond the dtype's largest number (3.4e38 in float32) is ``inf``, and clips the
+gradient to 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ def row_norms(grads: PyTree, rows: int) -> jax.Array:
         return jnp.zeros((rows,))
     largest = jnp.max(jnp.stack([jnp.max(f, axis=1, initial=0.0) for f in flat]), axis=0)
     safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
-    squares = sum(jnp.sum(jnp.square(f / safe[:, None]), axis=1) for f in flat)
+    # Divided twice by the square root: XLA may divide by multiplying with the reciprocal,
+    # and 1 / m is subnormal (flushed to 0) for m above 2**126; 1 / sqrt(m) never is.
+    root = jnp.sqrt(safe)[:, None]
+    squares = sum(jnp.sum(jnp.square(f / root / root), axis=1) for f in flat)
     return jnp.where(jnp.isfinite(largest), safe * jnp.sqrt(squares), largest)
 
 

@@ -12,11 +12,12 @@ inputs, so the second call compiles nothing. A changed global read as a Python n
 is a literal of the program, so it changes the fingerprint and compiles again; one read
 as an array is a constant, passed in, and compiles nothing.
 
-Parameters without value equality (a callback's function, say) are keyed by identity,
-and the cache keeps a reference to them so that an identity is never reused: such
-programs compile again at every call. The one exception is what only differentiation
-reads (the JVP rule of a ``custom_jvp``, the forward and backward of a ``custom_vjp``):
-the cached program runs on concrete values only, so nothing differentiates it.
+Parameters without value equality (a callback's closure, a JAX array closed over by a
+nested ``jit``) can only be named by identity: such programs are not cached, and
+compile again at every call, as optax's do. The one exception is what only
+differentiation reads (the JVP rule of a ``custom_jvp``, the forward and backward of a
+``custom_vjp``): the cached program runs on concrete values only, so nothing
+differentiates it.
 """
 
 from __future__ import annotations
@@ -41,16 +42,19 @@ class Cache:
     """The compiled loops of one wrapped function, keyed by fingerprint."""
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[Hashable, tuple[Any, list[Any]]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
 
-    def get(self, key: Hashable, keep: list[Any], build: Callable[[], Any]) -> Any:
-        """The entry under ``key``, built on a miss; ``keep`` holds what the key names by
-        identity, alive as long as the entry."""
+    def get(self, key: Hashable, identities: list[Any], build: Callable[[], Any]) -> Any:
+        """The entry under ``key``, built on a miss. A key that names objects by identity
+        (``identities``) is never stored: such a program is built at every call, as an
+        un-jitted call would be, and holds nothing alive after it."""
+        if identities:
+            return build()
         if key in self._entries:
             self._entries.move_to_end(key)
-            return self._entries[key][0]
+            return self._entries[key]
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.popitem(last=False)
         value = build()
-        self._entries[key] = (value, keep)
+        self._entries[key] = value
         return value

@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 
-from . import _accumulators, _checks, _examples, _signature, _vmap
+from . import _accumulators, _checks, _per_example, _signature, _vmap
 from ._accumulators import AccumulationType
-from ._examples import Aux, identity, no_metrics
-from ._microbatch import Settings, wraps
+from ._per_example import Aux, identity, no_metrics
 from ._typing import AccumulatorTree, Count, P, PyTree
+from ._wrap import Settings, wraps
 
 
 def micro_grad(
@@ -110,7 +110,7 @@ def micro_grad(
     """
     axes = _signature.grad_axes(fun, batch_argnums)
     grad_nums = _signature.differentiated(fun, argnums)
-    example = _examples.Examples(
+    example = _per_example.Examples(
         fun,
         axes,
         grad_nums if isinstance(argnums, Sequence) else grad_nums[0],
@@ -134,10 +134,10 @@ def micro_grad(
     batched_grad = any(axes.spec(i) is not None for i in example.nums())
     if transform is identity and _accumulators.is_linear(accumulators) and not batched_grad:
         measure = None if metrics is no_metrics else metrics
-        summed = _examples.summed(example, accumulators, clip, measure, settings)
+        summed = _per_example.summed(example, accumulators, clip, measure, settings)
         looped = _vmap.loop_over(summed, axes, settings)
     else:
-        per_example = _examples.per_example(example, clip, transform, metrics)
+        per_example = _per_example.per_example(example, clip, transform, metrics)
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
 
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)

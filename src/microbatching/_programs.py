@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
@@ -18,9 +20,6 @@ UNUSED_WHEN_NOT_DIFFERENTIATED = {
 """Parameters that only a derivative of the program reads. ``fingerprint`` leaves them
 out: the eager cache runs its programs on concrete values, which nothing differentiates."""
 
-SMALL_BYTES = 1 << 16
-"""Constants of nested programs up to this size are keyed by value, larger by identity."""
-
 _PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
 
 
@@ -28,8 +27,9 @@ def fingerprint(program: ClosedJaxpr, keep: list[Any]) -> Hashable:
     """What the computation of ``program`` depends on, except its constants' values.
 
     Equations with every parameter and literal by value where its type has value
-    equality; by identity otherwise, with the object appended to ``keep`` so that the
-    caller can hold it and its identity is never reused. Constants by type only.
+    equality; by identity otherwise, with the object appended to ``keep``: a key that
+    names objects by identity is good for this program only (the eager cache does not
+    keep it, so that it holds no stale object alive). Constants by type only.
     """
     consts = tuple(_aval(c) for c in program.consts)
     return consts, _jaxpr(program.jaxpr, keep)
@@ -52,6 +52,7 @@ def _jaxpr(jaxpr: Jaxpr, keep: list[Any]) -> Hashable:
         (
             e.primitive.name,
             _params(e.primitive.name, e.params, keep),
+            repr(e.ctx),  # the configuration it runs under (PRNG, compute type, ...)
             tuple(var(v) for v in e.invars),
             tuple(var(v) for v in e.outvars),
         )
@@ -80,18 +81,20 @@ def _param(value: Any, keep: list[Any]) -> Hashable:
 
 
 def _value(value: Any, keep: list[Any]) -> Hashable:
-    """A parameter or literal by value where its type has value equality, else by identity."""
+    """A parameter or literal by value where its type has value equality, else by identity.
+
+    NumPy arrays are keyed by their bytes, however large: they can change in place. JAX
+    arrays cannot, so they are keyed by identity.
+    """
     if isinstance(value, _PLAIN):
         return type(value), value
     if isinstance(value, float | complex):
         return type(value), repr(value)  # -0.0 and NaN as themselves
-    if isinstance(value, np.ndarray | np.generic | jax.Array) and not isinstance(
-        value, jax.core.Tracer
-    ):
+    if isinstance(value, np.ndarray | np.generic):
         array = np.asarray(value)
-        if array.nbytes <= SMALL_BYTES:
-            return "array", array.dtype, array.shape, array.tobytes()
-    if type(value).__eq__ is not object.__eq__ and not callable(value):
+        digest = hashlib.blake2b(array.tobytes(), digest_size=16).digest()
+        return "array", array.dtype, array.shape, digest
+    if type(value).__eq__ is not object.__eq__ and not isinstance(value, jax.Array):
         try:
             hash(value)
         except TypeError:
@@ -105,6 +108,14 @@ def _value(value: Any, keep: list[Any]) -> Hashable:
 def calls(program: ClosedJaxpr, names: set[str]) -> bool:
     """Whether ``program`` applies a primitive named in ``names``, at any depth."""
     return any(e.primitive.name in names for e in _equations(program.jaxpr))
+
+
+def float_dtypes(program: ClosedJaxpr) -> set[Any]:
+    """The floating dtypes of the values of ``program``, its inputs included, at any depth."""
+    found = {v.aval.dtype for v in program.jaxpr.invars}
+    for e in _equations(program.jaxpr):
+        found |= {getattr(v.aval, "dtype", None) for v in e.outvars}
+    return {d for d in found if d is not None and jnp.issubdtype(d, jnp.floating)}
 
 
 def _equations(jaxpr: Jaxpr) -> Iterator[Any]:

@@ -10,9 +10,10 @@ import jax
 
 from . import _accumulators, _checks, _signature
 from ._accumulators import AccumulationType
-from ._microbatch import Settings, loop, wraps
+from ._loop import loop
 from ._signature import WEIGHTS, BatchAxes
 from ._typing import AccumulatorTree, Count, Function, InAxes, P, VmapFn
+from ._wrap import Settings, wraps
 
 
 def micro_vmap(
@@ -118,9 +119,8 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
     accumulator = settings.accumulator
     dtype, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
 
-    def per_microbatch(*args: Any, **kwargs: Any) -> Any:
+    def per_microbatch(weights: Any, *args: Any, **kwargs: Any) -> Any:
         with jax.named_scope("micro_vmap_step"):
-            weights = kwargs.pop(WEIGHTS, None)
             out = mapped(*args, **kwargs)
             if weights is None:
                 return _accumulators.combine(accumulator, 1, dtype, mesh_axes).aggregate(out)
@@ -130,7 +130,8 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
 
 
 def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> Function:
-    """The loop over ``per_microbatch``, called as ``fun`` would be called.
+    """The loop over ``per_microbatch(weights, *args, **kwargs)``, called as ``fun`` would
+    be called, with an optional ``example_weights=``.
 
     Keyword arguments that name positional parameters become positional first. Profiler
     spans: ``{span}_size_{m}`` and ``micro_vmap_size_{m}``, as optax.microbatching writes.
@@ -140,12 +141,13 @@ def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> 
     inner = f"micro_vmap_size_{settings.size}"
 
     def called(*args: Any, **kwargs: Any) -> Any:
+        weights = kwargs.pop(WEIGHTS, None)  # a copy: ** made it
         args, kwargs = axes.to_positions(args, kwargs)
         with (
             jax.named_scope(outer),
             contextlib.nullcontext() if outer == inner else jax.named_scope(inner),
         ):
-            return looped(*args, **kwargs)
+            return looped(args, kwargs, weights)
 
     return called
 

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _accumulators, _clipping, _layout, _programs, _vmap
-from ._microbatch import Settings
-from ._signature import WEIGHTS, BatchAxes
+from ._signature import BatchAxes
 from ._typing import Function, PyTree
+from ._wrap import Settings
 
 
 class Aux(NamedTuple):
@@ -204,8 +204,7 @@ def summed(
         measured = None if metrics is None else jax.vmap(metrics)(grads)
         return measured, None if clip is None else clip_factors(grads, clip)
 
-    def rows(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        given = kwargs.pop(WEIGHTS, None)
+    def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         scaled = clip is not None or given is not None
         if not _summed_is_exact(example, losses, requested, scaled, args, kwargs):
             return explicit(given, *args, **kwargs)
@@ -260,22 +259,22 @@ def summed(
             out = jax.tree.map(lambda x: _masked(x, keep), out)
         return jax.tree.map(add, grads), out
 
-    def per_microbatch(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
+    def per_microbatch(weights: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         with jax.named_scope("micro_grad_step"):
             first = _first_batched(example.axes, args, kwargs)
             where = _layout.shards(first, 0, mesh_axes)
             if where is None:
-                grads, aux = rows(*args, **kwargs)
+                grads, aux = rows(weights, *args, **kwargs)
                 grads = jax.tree.map(
                     lambda g: _open(g, requested, None), grads, is_leaf=_layout.is_open
                 )
             else:
-                grads, aux = _by_shard(rows, example.axes, where, args, kwargs)
+                grads, aux = _by_shard(rows, example.axes, where, weights, args, kwargs)
                 grads = jax.tree.map(
                     lambda g: _open(g, requested, "sum", where), grads, is_leaf=_layout.is_open
                 )
                 aux = jax.tree.map(lambda x: _layout.unchunk(x, where), aux)
-            if WEIGHTS in kwargs:  # weighted sums: the loop divides means by the weights
+            if weights is not None:  # weighted sums: the loop divides means by the weights
                 return grads, aux
             return _accumulators.per_row(accumulators, grads, first.shape[0]), aux
 
@@ -286,16 +285,27 @@ def _by_shard(
     rows: Function,
     axes: BatchAxes,
     where: _layout.Shards,
+    weights: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """``rows`` on each shard's rows, with the shards stacked on axis 0."""
+    """``rows(weights, *args, **kwargs)`` on each shard's rows, the shards stacked on axis 0."""
     split = functools.partial(_layout.chunk, axis=0, where=where)
-    args = tuple(a if axes.spec(i) is None else jax.tree.map(split, a) for i, a in enumerate(args))
-    kwargs = {k: v if axes.spec(k) is None else jax.tree.map(split, v) for k, v in kwargs.items()}
+    arg_axes = tuple(None if axes.spec(i) is None else 0 for i in range(len(args)))
+    kwarg_axes = {k: None if axes.spec(k) is None else 0 for k in kwargs}
+    args = tuple(
+        a if s is None else jax.tree.map(split, a) for a, s in zip(args, arg_axes, strict=True)
+    )
+    kwargs = {k: v if kwarg_axes[k] is None else jax.tree.map(split, v) for k, v in kwargs.items()}
+    if weights is not None:
+        weights = split(weights)
     spmd = None if where.explicit else where.entry
-    mapped = _vmap.vmapped(rows, axes, functools.partial(jax.vmap, spmd_axis_name=spmd))
-    return mapped(*args, **kwargs)
+    mapped = jax.vmap(
+        lambda w, a, k: rows(w, *a, **k),
+        in_axes=(None if weights is None else 0, arg_axes, kwarg_axes),
+        spmd_axis_name=spmd,
+    )
+    return mapped(weights, args, kwargs)
 
 
 CHUNK_BYTES = 32 * 2**20
@@ -376,13 +386,21 @@ def _open(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:
     return _layout.Open(value.astype(wide), dtype, merge)
 
 
-NONLINEAR_IN_COTANGENT = {"custom_lin", "custom_vjp_call", "custom_transpose_call"}
-"""What may make a backward pass non-linear in its cotangent: user-written backward rules.
+NONLINEAR_IN_COTANGENT = {
+    "custom_lin",
+    "custom_vjp_call",
+    "custom_transpose_call",
+    "custom_linear_solve",
+}
+"""What may make a backward pass non-linear in its cotangent: primitives whose transpose
+runs code that the user supplies.
 
 Every other primitive's transpose is linear by construction (JAX transposes only linear
 maps), so without these a VJP with cotangent ``c_b`` per example is ``c_b`` times the VJP
 with cotangent 1. ``custom_lin`` is how a ``custom_vjp`` appears in a JVP; a
-``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``."""
+``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``; the transpose
+of ``custom_linear_solve`` is a solve, which an iterative solver with a tolerance does
+not do linearly."""
 
 
 def _summed_is_exact(
@@ -396,20 +414,16 @@ def _summed_is_exact(
     """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
     per-example gradients, as accumulated.
 
-    Two conditions, each checked on this call's program and dtypes:
-    - the sum over the microbatch that the backward pass forms runs in the accumulation
-      dtype: no differentiated leaf is narrower than it (float16 would overflow);
+    Two conditions, checked on the JVP of this call's loss, which holds every value that
+    the backward pass sums over examples or scales by a cotangent:
+    - the sums run in the accumulation dtype or wider: no floating value on the way,
+      parameters, loss and intermediates, is narrower than the dtype the accumulation
+      would give it (float16 would overflow, a clip factor or weight would be rounded);
     - when the examples are scaled (clip factors, weights, a padding mask), the backward
-      pass is linear in its cotangent: no ``NONLINEAR_IN_COTANGENT`` in the JVP of the
-      loss. With all cotangents 1 each example's backward pass is its own gradient's.
+      pass is linear in its cotangent: no ``NONLINEAR_IN_COTANGENT``. With all
+      cotangents 1 each example's backward pass is its own gradient's.
     """
     nums = example.nums()
-    for leaf in jax.tree.leaves([args[i] for i in nums]):
-        dtype = jnp.result_type(leaf)
-        if _accumulators.accumulation_dtype(dtype, requested) != dtype:
-            return False
-    if not scaled:
-        return True
 
     def tangents(*primals: Any) -> Any:
         def values(*diff: Any) -> Any:
@@ -421,4 +435,8 @@ def _summed_is_exact(
         return jax.jvp(values, primals, primals)
 
     program = jax.make_jaxpr(tangents)(*[args[i] for i in nums])
-    return not _programs.calls(program, NONLINEAR_IN_COTANGENT)
+    for dtype in _programs.float_dtypes(program):
+        wide = _accumulators.accumulation_dtype(dtype, requested)
+        if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
+            return False
+    return not scaled or not _programs.calls(program, NONLINEAR_IN_COTANGENT)

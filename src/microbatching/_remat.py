@@ -28,12 +28,12 @@ def step(
     jaxpr: ClosedJaxpr,
     take: Callable[[Any], Sequence[Any]],
     requested: Any,
-    bound: Any = None,
+    runs: Callable[[Any], Any] | None = None,
 ) -> Callable[[Any], list[Any]]:
     """``fun`` on microbatch ``index`` (read by ``take(index)``), rematerialised.
 
     ``requested`` is the ``accumulation_dtype``, applied to floating closed-over values.
-    With a traced ``bound``, microbatches at or past it skip ``fun`` and give zeros. The
+    Microbatches for which ``runs(index)`` is False skip ``fun`` and give zeros. The
     skip sits inside the checkpoint: a ``lax.cond`` around it would make the backward pass
     keep the checkpoint's inputs, the whole batch, once per microbatch.
     """
@@ -44,13 +44,18 @@ def step(
         narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
         return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
 
+    if runs is None:
+        run = jax.checkpoint(compute, prevent_cse=False)
+        return lambda index: run(index, widened)
+    condition = runs
+
     def bounded(index: Any, widened: list[Any]) -> list[Any]:
         types = jax.eval_shape(compute, index, widened)  # inside shard_map: what varies
         skipped = lambda index, widened: [_zeros(t) for t in types]  # noqa: E731
-        return jax.lax.cond(index < bound, compute, skipped, index, widened)
+        return jax.lax.cond(condition(index), compute, skipped, index, widened)
 
-    run = jax.checkpoint(compute if bound is None else bounded, prevent_cse=False)
-    return lambda index: run(index, widened)
+    run_bounded = jax.checkpoint(bounded, prevent_cse=False)
+    return lambda index: run_bounded(index, widened)
 
 
 def _widen(value: Any, requested: Any) -> Any:

@@ -1,0 +1,129 @@
+"""The wrapper every transform returns: its options, normalised once when the user wraps
+``fun``, and the signature, name and docstring of ``fun``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _batch
+from ._signature import OPTIONS, RESERVES, WEIGHTS, BatchAxes
+from ._typing import Count, Function, P
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How a transform loops, normalised when the user wraps ``fun``.
+
+    Attributes:
+      size: ``microbatch_size``.
+      accumulator: The accumulator tree (optax's leaves replaced by ours).
+      count: ``num_real_microbatches``: None, an int or a traced integer.
+      accumulation_dtype: The requested accumulation dtype, or None for the default.
+      mesh_axes: ``batch_mesh_axes``.
+      progress: Whether the loop reports each microbatch to a progress bar.
+      span: The transform's name, for profiler spans and the progress bar.
+      allow_remainder: Whether a batch that ``size`` does not divide runs a last,
+        partial microbatch.
+    """
+
+    size: int | None
+    accumulator: Any
+    count: Count
+    accumulation_dtype: Any
+    mesh_axes: tuple[str, ...] | None = None
+    progress: bool = False
+    span: str = "microbatch"
+    allow_remainder: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a wrapped function was built with: its batch arguments and its settings.
+
+    Set on every wrapper as ``__microbatching__``, so that ``plan`` can find the batch in
+    example arguments.
+    """
+
+    axes: BatchAxes
+    settings: Settings
+
+    @property
+    def allow_remainder(self) -> bool:
+        return self.settings.allow_remainder
+
+    def batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The size of the batch axis that a call with these arguments would split."""
+        weights = kwargs.get(WEIGHTS) if self.axes.weights else None
+        if self.axes.weights:
+            kwargs = {k: v for k, v in kwargs.items() if k != WEIGHTS}
+        args, kwargs = self.axes.to_positions(args, kwargs)
+        return _batch.locate(self.axes, args, kwargs, weights, None, None).size
+
+
+def wraps(
+    fun: Callable[P, Any],
+    wrapper: Function,
+    axes: BatchAxes,
+    settings: Settings,
+    weights: bool = False,
+) -> Callable[P, Any]:
+    """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
+
+    Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
+    when one becomes a module field; our wrappers are plain functions. With
+    ``weights`` the signature also has a keyword-only ``example_weights=None``, so that
+    ``inspect.signature(...).bind`` (``eqx.filter_jit``, ``donate_argnames``) accepts it.
+    """
+    out = functools.wraps(fun, updated=())(_shapes_of_structs(wrapper))
+    del out.__wrapped__
+    setattr(out, OPTIONS, Options(axes, settings))
+    with contextlib.suppress(TypeError, ValueError):  # builtins may have none
+        signature = inspect.signature(fun)
+        if weights:
+            signature = _with_weights(signature)
+            setattr(out, RESERVES, True)
+        out.__signature__ = signature  # pyright: ignore[reportAttributeAccessIssue]
+    return out
+
+
+def _shapes_of_structs(wrapper: Function) -> Function:
+    """``wrapper`` that, called on ``jax.ShapeDtypeStruct`` arguments, returns the shapes
+    and dtypes of its result (``jax.eval_shape``), the other arguments held as they are."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+            return wrapper(*args, **kwargs)
+        abstract = [_is_array(leaf) for leaf in leaves]
+
+        def concrete(arrays: list[Any]) -> Any:
+            it = iter(arrays)
+            full = [next(it) if a else leaf for leaf, a in zip(leaves, abstract, strict=True)]
+            args, kwargs = jax.tree.unflatten(treedef, full)
+            return wrapper(*args, **kwargs)
+
+        return jax.eval_shape(concrete, [x for x, a in zip(leaves, abstract, strict=True) if a])
+
+    return call
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray)
+
+
+def _with_weights(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with a keyword-only ``example_weights=None`` (before ``**kwargs``)."""
+    params = list(signature.parameters.values())
+    if WEIGHTS in signature.parameters:  # our own wrapper, nested
+        return signature
+    at = len(params) - (bool(params) and params[-1].kind == inspect.Parameter.VAR_KEYWORD)
+    extra = inspect.Parameter(WEIGHTS, inspect.Parameter.KEYWORD_ONLY, default=None)
+    return signature.replace(parameters=[*params[:at], extra, *params[at:]])
