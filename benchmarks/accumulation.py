@@ -250,7 +250,7 @@ def eager_calls(reps: int) -> str:
         ),
     ]
     rows = []
-    for name, fn, args in cases:
+    for workload, fn, args in cases:
         calls = {"eager": fn, "jit": jax.jit(fn)}
         jax.block_until_ready([call(*args) for call in calls.values()])
         seconds: dict[str, list[float]] = {name: [] for name in calls}
@@ -260,7 +260,7 @@ def eager_calls(reps: int) -> str:
                 jax.block_until_ready(calls[name](*args))
                 seconds[name].append(time.perf_counter() - start)
         rows.append(
-            f"| {name} | {ms(seconds['eager'])} | {ms(seconds['jit'])} "
+            f"| {workload} | {ms(seconds['eager'])} | {ms(seconds['jit'])} "
             f"| {ratio(seconds['eager'], seconds['jit'])} |"
         )
     return "\n".join(
@@ -268,6 +268,39 @@ def eager_calls(reps: int) -> str:
             "Eager calls after the first (`fun` traced again, the loop not compiled again):",
             "",
             "| workload | eager ms | jitted ms | eager / jitted |",
+            "|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
+
+
+def narrow_parameters(examples: int, reps: int) -> str:
+    """``micro_grad`` of bfloat16 parameters: per-example sums in float32 (the default) or
+    the summed-gradient fast path in bfloat16 (``accumulation_dtype=jnp.bfloat16``)."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp((784, 512, 512, 10)))
+    x, y = data(examples, 784, 10)
+    x = x.astype(jnp.bfloat16)
+    ways = {
+        "default: per-example gradients summed in float32": mb.micro_grad(
+            loss, batch_argnums=(1, 2), microbatch_size=256
+        ),
+        "`accumulation_dtype=jnp.bfloat16`: summed gradient": mb.micro_grad(
+            loss, batch_argnums=(1, 2), microbatch_size=256, accumulation_dtype=jnp.bfloat16
+        ),
+    }
+    seconds = interleaved(ways, (params, x, y), reps)
+    base = seconds[next(iter(ways))]
+    rows = [
+        f"| {name} | {temp_mib(fn, params, x, y):.1f} | {ms(seconds[name])} "
+        f"| {ratio(seconds[name], base)} |"
+        for name, fn in ways.items()
+    ]
+    return "\n".join(
+        [
+            f"`micro_grad` of bfloat16 parameters, MLP 784-512-512-10, batch {examples}, "
+            "microbatch 256:",
+            "",
+            "| way | temp MiB | median ms | time / default |",
             "|---|---:|---:|---:|",
             *rows,
         ]
@@ -358,6 +391,7 @@ def main(argv: Sequence[str]) -> None:
                 max(3, reps // 4),  # clipping in transform_fn takes seconds a call
             ),
             precision,
+            lambda: narrow_parameters(256 if quick else 1024, max(3, reps // 4)),
             lambda: eager_calls(reps),
             auto_mesh,
         ]

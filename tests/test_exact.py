@@ -352,3 +352,18 @@ def test_programs_naming_objects_by_identity_are_not_kept():
         assert_close(wrapped(X), fun(X))
     gc.collect()
     assert first() is None  # no compiled program holds the first array
+
+
+def test_second_eager_call_of_a_model_with_nested_jits_compiles_nothing():
+    def loss(w, x, y):
+        logits = x @ w
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]  # a nested jit
+        return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    grads = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=4, l2_clip_norm=1.0)
+    w, y = random_array(2, (3, 5), jnp.float32), jnp.arange(8) % 5
+    first = grads(w, X, y)
+    with Compiles() as compiles:
+        second = grads(w, X, y)
+    assert compiles.count == 0
+    assert_close(second, first)

@@ -12,9 +12,10 @@ inputs, so the second call compiles nothing. A changed global read as a Python n
 is a literal of the program, so it changes the fingerprint and compiles again; one read
 as an array is a constant, passed in, and compiles nothing.
 
-Parameters without value equality (a callback's closure, a JAX array closed over by a
-nested ``jit``) can only be named by identity: such programs are not cached, and
-compile again at every call, as optax's do. The one exception is what only
+Parameters without value equality (a mesh, a callback's closure, a JAX array closed over
+by a nested ``jit``) can only be named by identity. A program is reused only for the
+same objects; objects made afresh at every call compile again at every call, as optax's
+do, and replace the program they would have reused. The one exception is what only
 differentiation reads (the JVP rule of a ``custom_jvp``, the forward and backward of a
 ``custom_vjp``): the cached program runs on concrete values only, so nothing
 differentiates it.
@@ -42,19 +43,23 @@ class Cache:
     """The compiled loops of one wrapped function, keyed by fingerprint."""
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Any, list[int], list[Any]]] = OrderedDict()
 
     def get(self, key: Hashable, identities: list[Any], build: Callable[[], Any]) -> Any:
-        """The entry under ``key``, built on a miss. A key that names objects by identity
-        (``identities``) is never stored: such a program is built at every call, as an
-        un-jitted call would be, and holds nothing alive after it."""
-        if identities:
-            return build()
-        if key in self._entries:
+        """The entry under ``key`` for these ``identities`` (the objects the fingerprint
+        names by identity), built on a miss.
+
+        One entry per key: new identities replace the entry, so that objects made afresh
+        at every call (a closure, an array closed over by a nested ``jit``) compile again
+        but hold nothing stale alive. The entry keeps its objects, so that their
+        identities cannot be reused by others while it lives.
+        """
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] == [id(x) for x in identities]:
             self._entries.move_to_end(key)
-            return self._entries[key]
-        if len(self._entries) >= MAX_ENTRIES:
+            return entry[0]
+        if entry is None and len(self._entries) >= MAX_ENTRIES:
             self._entries.popitem(last=False)
         value = build()
-        self._entries[key] = value
+        self._entries[key] = (value, [id(x) for x in identities], identities)
         return value

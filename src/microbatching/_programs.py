@@ -27,9 +27,9 @@ def fingerprint(program: ClosedJaxpr, keep: list[Any]) -> Hashable:
     """What the computation of ``program`` depends on, except its constants' values.
 
     Equations with every parameter and literal by value where its type has value
-    equality; by identity otherwise, with the object appended to ``keep``: a key that
-    names objects by identity is good for this program only (the eager cache does not
-    keep it, so that it holds no stale object alive). Constants by type only.
+    equality. Other objects are appended to ``keep`` and named by their place in it: the
+    fingerprint holds for these very objects only, which the caller compares by identity.
+    Constants by type only.
     """
     consts = tuple(_aval(c) for c in program.consts)
     return consts, _jaxpr(program.jaxpr, keep)
@@ -102,7 +102,7 @@ def _value(value: Any, keep: list[Any]) -> Hashable:
         else:
             return type(value), value
     keep.append(value)
-    return "identity", id(value)
+    return "identity", len(keep) - 1
 
 
 def calls(program: ClosedJaxpr, names: set[str]) -> bool:
