@@ -52,7 +52,7 @@ def test_eager_call_reads_a_global_array_without_compiling_again():
     state = {"w": jnp.ones(3)}
     fun = microbatch(lambda x: jnp.sum(x @ state["w"]), 0, 2)
     assert_close(fun(X), jnp.sum(X))
-    state["w"] = jnp.full(3, 3.0, jnp.float32)  # not weakly typed, as jnp.ones(3) is not
+    state["w"] = jnp.full_like(state["w"], 3.0)  # the same type: not weak, the same dtype
     with Compiles() as compiles:
         got = fun(X)
     assert_close(got, 3 * jnp.sum(X))
@@ -101,10 +101,11 @@ def test_eager_call_inside_grad_closing_over_the_traced_parameter():
 
 def test_shape_dtype_struct_arguments_give_shapes():
     fun = microbatch(lambda x, y: (x * 2, jnp.sum(y)), 0, 2, (CONCAT, SUM))
-    out = fun(jax.ShapeDtypeStruct((8, 3), jnp.float32), jnp.ones(2))
+    y = jnp.ones(2)
+    out = fun(jax.ShapeDtypeStruct((8, 3), jnp.float32), y)
     assert out == (
         jax.ShapeDtypeStruct((8, 3), jnp.float32),
-        jax.ShapeDtypeStruct((), jnp.float32),
+        jax.ShapeDtypeStruct((), y.dtype),
     )
 
 
@@ -348,7 +349,7 @@ def test_programs_naming_objects_by_identity_are_not_kept():
     assert_close(wrapped(X), fun(X))
     first = weakref.ref(weights["w"])
     for scale in (2.0, 3.0):
-        weights["w"] = jnp.full(3, scale, jnp.float32)
+        weights["w"] = jnp.full_like(weights["w"], scale)
         assert_close(wrapped(X), fun(X))
     gc.collect()
     assert first() is None  # no compiled program holds the first array
