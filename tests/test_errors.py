@@ -305,19 +305,36 @@ def test_concrete_num_real_microbatches_too_large_from_numpy():
 @pytest.mark.parametrize(
     ("transform", "hint"),
     [
-        (lambda f: micro_vmap(f, microbatch_size=2), "by position with in_axes None"),
-        (lambda f: micro_grad(f, microbatch_size=2), "by position, outside batch_argnums"),
+        (
+            lambda f: micro_vmap(f, microbatch_size=2),
+            "pass it by position with in_axes None, or bind it",
+        ),
+        (
+            lambda f: micro_grad(f, microbatch_size=2),
+            "pass it by position, outside batch_argnums, or bind it",
+        ),
     ],
 )
 def test_mapped_keyword_argument_that_is_not_an_array(transform, hint):
+    def loss(w, x, **options):
+        return jnp.sum(w * x)
+
+    with pytest.raises(
+        TypeError,
+        match=rf"maps keyword arguments that name no positional parameter along axis 0, as jax.vmap does, but `train` is False, not an array with a batch axis; {hint}",
+    ):
+        transform(loss)(jnp.ones(3), X, train=False)
+
+
+def test_mapped_keyword_only_argument_that_is_not_an_array():
     def loss(w, x, *, train):
         return jnp.sum(w * x)
 
     with pytest.raises(
         TypeError,
-        match=rf"maps keyword arguments that name no positional parameter along axis 0, as jax.vmap does, but `train` is False, not an array with a batch axis; pass it {hint}",
+        match=r"but `train` is False, not an array with a batch axis; bind it with functools\.partial\.",
     ):
-        transform(loss)(jnp.ones(3), X, train=False)
+        micro_grad(loss, microbatch_size=2)(jnp.ones(3), X, train=False)
 
 
 def test_reshape_batch_axis_axis_out_of_range():

@@ -368,3 +368,40 @@ def test_second_eager_call_of_a_model_with_nested_jits_compiles_nothing():
         second = grads(w, X, y)
     assert compiles.count == 0
     assert_close(second, first)
+
+
+def test_shape_dtype_structs_inside_a_transformation_are_refused():
+    fun = microbatch(lambda p, x: jnp.sum(x @ p), 1, 4)
+    with pytest.raises(
+        TypeError,
+        match=r"called on jax\.ShapeDtypeStruct arguments inside a JAX transformation "
+        r"\(jax\.grad, jax\.vmap, \.\.\.\), which needs arrays",
+    ):
+        jax.grad(fun)(P, jax.ShapeDtypeStruct((8, 3), jnp.float32))
+
+
+def test_a_loss_that_is_not_an_array_names_the_fix():
+    with pytest.raises(
+        TypeError,
+        match=r"micro_grad needs fun to return a scalar loss \(the first of the pair, with "
+        r"has_aux=True\), but it is a dict; return the loss as a scalar array, then aux: "
+        r"\(loss, aux\)\.",
+    ):
+        micro_grad(lambda p, v: ({"a": 1.0}, jnp.sum(v @ p)), has_aux=True, microbatch_size=4)(P, X)
+
+
+def test_integer_parameters_get_jax_grad_s_message():
+    with pytest.raises(TypeError, match="grad requires real- or complex-valued inputs"):
+        micro_grad(lambda p, v: jnp.sum(v @ p), microbatch_size=4)(jnp.ones(3, jnp.int32), X)
+
+
+def test_a_keyword_only_argument_is_not_told_to_go_by_position():
+    def loss(p, v, *, scale):
+        return jnp.sum(v @ p) * scale
+
+    with pytest.raises(
+        TypeError,
+        match=r"but `scale` is 2\.0, not an array with a batch axis; bind it with "
+        r"functools\.partial\.",
+    ):
+        micro_grad(loss, microbatch_size=4)(P, X, scale=2.0)

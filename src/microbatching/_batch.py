@@ -225,11 +225,14 @@ def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
                 if axes.transform == "micro_vmap"
                 else "by position, outside batch_argnums"
             )
+            fix = f"pass it {unmapped}, or bind it"
+            sig = axes.signature
+            if sig is not None and name in sig.keyword and name not in sig.positional:
+                fix = "bind it"  # keyword-only: it cannot be passed by position
             raise TypeError(
                 f"{axes.transform} maps keyword arguments that name no positional parameter "
                 f"along axis 0, as jax.vmap does, but `{name}{jax.tree_util.keystr(path)}` is "
-                f"{leaf!r}, not an array with a batch axis; pass it {unmapped}, or bind it "
-                "with functools.partial."
+                f"{leaf!r}, not an array with a batch axis; {fix} with functools.partial."
             )
 
 

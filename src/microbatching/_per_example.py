@@ -116,6 +116,13 @@ class Examples:
                 "has_aux=True."
             )
         value, aux = out if self.has_aux else (out, None)
+        if not isinstance(value, jax.Array | np.ndarray | np.generic | int | float):
+            first = " (the first of the pair, with has_aux=True)" if self.has_aux else ""
+            raise TypeError(
+                f"micro_grad needs fun to return a scalar loss{first}, but it is "
+                f"{_describe(value)}; return the loss as a scalar array"
+                f"{', then aux: (loss, aux)' if self.has_aux else ''}."
+            )
         value = jnp.asarray(value)
         if value.ndim != 0:
             raise TypeError(
@@ -356,7 +363,7 @@ def _in_chunks(
 
 def _describe(value: Any) -> str:
     shape = getattr(value, "shape", None)
-    return f"{type(value).__name__}" if shape is None else f"an array of shape {tuple(shape)}"
+    return f"a {type(value).__name__}" if shape is None else f"an array of shape {tuple(shape)}"
 
 
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
@@ -424,6 +431,11 @@ def _summed_is_exact(
       cotangents 1 each example's backward pass is its own gradient's.
     """
     nums = example.nums()
+    if not all(
+        jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+        for leaf in jax.tree.leaves([args[i] for i in nums])
+    ):
+        return False  # the per-example path lets jax.grad say what is wrong
 
     def tangents(*primals: Any) -> Any:
         def values(*diff: Any) -> Any:

@@ -1,7 +1,7 @@
 """Type aliases shared by the package."""
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeAlias, Union
 
 import jax
 import numpy as np
@@ -27,11 +27,41 @@ InAxes: TypeAlias = int | np.integer | Sequence[AxisSpec]
 Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
 
+
+class _KindLike(Protocol):
+    """A member of an accumulation-kind enum: ours, or optax.microbatching's."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def value(self) -> int: ...
+
+
+class _AccumulatorLike(Protocol):
+    """An accumulator made of four functions: ours, or optax.microbatching's."""
+
+    @property
+    def init(self) -> Callable[..., Any]: ...
+
+    @property
+    def update(self) -> Callable[..., Any]: ...
+
+    @property
+    def finalize(self) -> Callable[..., Any]: ...
+
+    @property
+    def aggregate(self) -> Callable[..., Any]: ...
+
+
 AccumulatorTree: TypeAlias = Union[
     "AccumulationType",
     "Accumulator",
+    _KindLike,
+    _AccumulatorLike,
     Sequence["AccumulatorTree"],
     Mapping[Any, "AccumulatorTree"],
 ]
-"""An accumulation kind, a custom ``Accumulator``, or a pytree prefix of the output made
-of them; a string such as ``"mean"`` is a type error (use ``AccumulationType.MEAN``)."""
+"""An accumulation kind, a custom ``Accumulator`` (ours or optax.microbatching's), or a
+pytree prefix of the output made of them; a string such as ``"mean"`` is a type error
+(use ``AccumulationType.MEAN``)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from . import _batch
@@ -102,6 +103,13 @@ def _shapes_of_structs(wrapper: Function) -> Function:
         leaves, treedef = jax.tree.flatten((args, kwargs))
         if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
             return wrapper(*args, **kwargs)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            raise TypeError(
+                "A function of microbatching was called on jax.ShapeDtypeStruct arguments "
+                "inside a JAX transformation (jax.grad, jax.vmap, ...), which needs arrays. "
+                "Call it on ShapeDtypeStructs directly for the result's shapes, or wrap the "
+                "whole computation in jax.eval_shape."
+            )
         abstract = [_is_array(leaf) for leaf in leaves]
 
         def concrete(arrays: list[Any]) -> Any:
