@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest workers (pytest-xdist); 2 fits the 2 cores the suite is timed on.
+WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(WORKERS) --dist worksteal --durations=15 --durations-min=2
 
 .PHONY: test test-x64 demo bench lint format clean docs
 
@@ -14,19 +17,26 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
+	@echo "== ruff: format and lint"
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	@echo "== pyright: types of src, tests, benchmarks and examples (about 25 s)"
 	$(BIN)/pyright
 
+# About 5 minutes on 2 idle cores: lint, docs, the suite, the x64 tests.
 test: lint docs
-	$(BIN)/pytest
+	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 4 min)"
+	$(PYTEST)
 	$(MAKE) --no-print-directory test-x64
 
+# The dtype-sensitive tests (marker x64) again with 64-bit JAX.
 test-x64: $(STAMP)
-	JAX_ENABLE_X64=1 $(BIN)/pytest -q tests
+	@echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1 (under a minute)"
+	JAX_ENABLE_X64=1 $(PYTEST) -q -m x64 tests
 
 # The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
 docs: $(STAMP)
+	@echo "== mkdocs: the site, warnings as errors"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 demo: $(STAMP)

@@ -131,6 +131,7 @@ def test_profiler_spans_of_optax_and_ours():
     assert "micro_vmap_size_None" in _scopes(micro_vmap(jnp.sin), A)
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
@@ -259,6 +260,7 @@ def test_missing_batch_argument_of_micro_grad_names_it():
         micro_grad(loss, microbatch_size=2)(W)
 
 
+@pytest.mark.x64
 def test_custom_init_of_the_wrong_shape_says_so():
     wrong = Accumulator(
         init=lambda s: jnp.zeros((5,), jnp.float32),
@@ -340,6 +342,7 @@ X16 = jnp.arange(16.0)
 WEIGHT = jnp.float32(1.5)
 
 
+@pytest.mark.x64
 def test_microbatch_inside_shard_map():
     got = _shard_map(lambda x: microbatch(jnp.sum, 0, 2)(x)[None])(X16)
     assert_close(got, X16.reshape(4, 4).sum(1))
@@ -347,11 +350,13 @@ def test_microbatch_inside_shard_map():
     assert_close(got, X16.reshape(4, 4).sum(1) * 1.5)
 
 
+@pytest.mark.x64
 def test_micro_vmap_inside_shard_map():
     got = _shard_map(lambda x: micro_vmap(lambda v: v * WEIGHT, microbatch_size=2)(x))(X16)
     assert_close(got, X16 * 1.5)
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_micro_grad_inside_shard_map_matches_vmap_of_grad_there(clip):
     def pe(w, v):
@@ -369,6 +374,7 @@ def test_micro_grad_inside_shard_map_matches_vmap_of_grad_there(clip):
     assert_close(_shard_map(ours)(X16), _shard_map(reference)(X16), terms=4)
 
 
+@pytest.mark.x64
 def test_traced_num_real_microbatches_inside_shard_map():
     def fun(x):
         count = jnp.int32(1) + 0 * x[0].astype(jnp.int32)
@@ -381,6 +387,7 @@ def test_traced_num_real_microbatches_inside_shard_map():
 # --- precision and overflow ----------------------------------------------------------
 
 
+@pytest.mark.x64
 def test_float16_mean_does_not_overflow():
     x = jnp.full((128, 4), 1000.0, jnp.float16)
     for size in [None, 1, 16]:
@@ -394,6 +401,7 @@ def test_float16_mean_does_not_overflow():
     np.testing.assert_array_equal(np.asarray(grads, np.float32), 1000.0)
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize(
     ("values", "dtype", "want"),
     [

@@ -177,6 +177,7 @@ def test_accumulator_leaf_of_the_wrong_type():
         microbatch(pair, 0, 4, accumulator="sum")  # pyright: ignore[reportArgumentType]
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("kind", ["MEAN", "RUNNING_MEAN"])
 def test_mean_of_integers(kind):
     fun = lambda x: jnp.sum(x)  # noqa: E731
@@ -186,6 +187,7 @@ def test_mean_of_integers(kind):
         microbatch(fun, 0, 4, AccumulationType[kind])(jnp.ones(8, jnp.int32))
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("kind", ["MEAN", "RUNNING_MEAN"])
 def test_micro_vmap_mean_of_integers_is_a_float_mean_as_in_optax(kind):
     got = micro_vmap(lambda x: x, microbatch_size=4, accumulator=AccumulationType[kind])(
@@ -195,6 +197,7 @@ def test_micro_vmap_mean_of_integers_is_a_float_mean_as_in_optax(kind):
     assert float(got) == 3.5
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("leaf", [3, [1.0, 2.0], "abc"])
 def test_batch_leaf_not_an_array(leaf):
     with pytest.raises(TypeError, match=r"Batch argument `x.*` is a (int|float|str), not an array"):
@@ -216,6 +219,7 @@ def test_num_real_microbatches_negative():
         microbatch(pair, 0, 2, num_real_microbatches=-1)
 
 
+@pytest.mark.x64
 def test_num_real_microbatches_not_an_integer():
     with pytest.raises(
         TypeError, match="num_real_microbatches must be None, an int or an integer scalar array"
@@ -295,6 +299,7 @@ def test_scalar_batch_leaf():
         microbatch(pair, 0, 1)(jnp.float32(1), 1.0)
 
 
+@pytest.mark.x64
 def test_concrete_num_real_microbatches_too_large_from_numpy():
     with pytest.raises(
         ValueError, match="num_real_microbatches=9 exceeds the number of microbatches, 4"

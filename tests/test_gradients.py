@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from microbatching import _per_example as per_example_room
 from microbatching import (
     AccumulationType,
     Accumulator,
@@ -22,6 +21,7 @@ from microbatching import (
     micro_vmap,
     microbatch,
 )
+from microbatching import _per_example as per_example_room
 
 from .strategies import assert_close, clipper, microbatch_sizes, random_array
 from .test_sharding import all_reduces_in_loops, collectives
@@ -131,6 +131,7 @@ def _kept_reference(kind, count):
     return loss
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("kind", list(AccumulationType))
 def test_grad_with_a_traced_num_real_microbatches(kind):
     def loss(w, count):
@@ -251,6 +252,7 @@ def test_l2_clip_norm_equals_clipping_in_transform_fn(model, size, kind):
     assert_close(doubled, jax.tree.map(lambda v: 2 * v, slow), terms=16)
 
 
+@pytest.mark.x64
 def test_l2_clip_norm_with_zero_gradients_and_keep_batch_dim_false():
     loss = lambda w, x: jnp.sum(w * x)  # noqa: E731
     x = jnp.concatenate([jnp.zeros((4, 3)), 10 * jnp.ones((4, 3))])
@@ -279,6 +281,7 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
 # --- accumulation precision ------------------------------------------------------------
 
 
+@pytest.mark.x64
 def test_bf16_mean_accumulates_in_float32_and_keeps_its_dtype():
     values = jnp.asarray(1.5 + np.random.default_rng(0).uniform(-0.01, 0.01, 4096), jnp.bfloat16)
     truth = float(np.mean(np.asarray(values, np.float64)))
@@ -304,6 +307,7 @@ def _summing(which, dtype):
     return lambda v: grad(jnp.ones(2, jnp.bfloat16), v)[0]
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("which", ["microbatch", "micro_vmap", "micro_grad"])
 def test_accumulation_dtype_sets_the_carry_and_not_the_result(which):
     x = jnp.full((512, 2), 1.0, jnp.bfloat16)
@@ -313,6 +317,7 @@ def test_accumulation_dtype_sets_the_carry_and_not_the_result(which):
     np.testing.assert_array_equal(np.asarray(narrow, np.float32), 256.0)
 
 
+@pytest.mark.x64
 def test_grad_through_microbatch_sums_low_precision_parameters_in_float32():
     w = jnp.ones((), jnp.bfloat16)
     xs = jnp.ones((1024,), jnp.bfloat16)
@@ -321,6 +326,7 @@ def test_grad_through_microbatch_sums_low_precision_parameters_in_float32():
     assert float(jax.grad(microbatch(fun, 1, 1, accumulation_dtype=jnp.bfloat16))(w, xs)) == 256.0
 
 
+@pytest.mark.x64
 def test_custom_accumulators_keep_full_control_of_the_dtype():
     summed = Accumulator(
         init=lambda s: jnp.zeros(s.shape, s.dtype),
@@ -421,6 +427,7 @@ def test_batch_mesh_axes_errors():
 # --- found by review: each test is the repro of a bug that was fixed --------------------
 
 
+@pytest.mark.x64
 def test_differentiating_a_batch_argument_gives_the_per_example_sum():
     loss = lambda p, x: jnp.sum(jnp.sin(x @ p))  # noqa: E731
     p, x = jnp.ones(3), random_array(0, (8, 3), jnp.float32)
@@ -443,6 +450,7 @@ def test_grad_with_a_traced_count_keeps_one_microbatch_of_memory():
     assert temps[1] <= 1.2 * temps[0]
 
 
+@pytest.mark.x64
 def test_derivatives_of_clipped_gradients_match_clipping_in_transform_fn():
     loss = lambda p, x: jnp.sum(jnp.sin(x @ p))  # noqa: E731
     p, x = jnp.ones(3), random_array(0, (8, 3), jnp.float32)
@@ -461,6 +469,7 @@ def test_a_per_example_loss_that_is_not_a_scalar_is_an_error():
         micro_grad(lambda p, x: p * x[0], microbatch_size=2)(jnp.ones(1), jnp.ones((4, 1)))
 
 
+@pytest.mark.x64
 def test_clipping_complex_parameters_uses_their_modulus():
     loss = lambda p, x: jnp.real(jnp.sum(p * x)) + jnp.imag(jnp.sum(p * x)) ** 2  # noqa: E731
     p = jnp.asarray([1 + 1j, 2 - 1j], jnp.complex64)
@@ -474,6 +483,7 @@ def test_clipping_complex_parameters_uses_their_modulus():
     assert_close(fast, want, terms=6)
 
 
+@pytest.mark.x64
 def test_clipping_with_a_python_scalar_in_the_parameters():
     loss = lambda p, x: jnp.sum(x * p["w"]) * p["s"]  # noqa: E731
     p, x = {"w": jnp.ones(1), "s": 2.0}, jnp.ones((4, 1))
@@ -482,6 +492,7 @@ def test_clipping_with_a_python_scalar_in_the_parameters():
     assert_close(grads["w"], jnp.full(1, 8.0))
 
 
+@pytest.mark.x64
 def test_keep_batch_dim_expands_a_batch_argument_passed_by_keyword():
     shapes = []
 
@@ -495,6 +506,7 @@ def test_keep_batch_dim_expands_a_batch_argument_passed_by_keyword():
     assert shapes[0] == shapes[-1] == (1, 2)
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("kind", [SUM, MEAN])
 def test_empty_batch_without_microbatching(kind):
     loss = lambda p, x: jnp.sum(p * x)  # noqa: E731

@@ -91,6 +91,7 @@ def test_micro_grad_matches_optax(keep_batch_dim, kind):
     assert results[0][1]._fields == results[1][1]._fields
 
 
+@pytest.mark.x64
 def test_reshape_batch_axis_matches_optax():
     x = jnp.arange(2 * 12 * 3).reshape(2, 12, 3)
     for axis in (0, 1):

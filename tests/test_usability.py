@@ -51,6 +51,7 @@ def test_progress_in_a_log_prints_a_line_per_ten_percent(capsys):
     assert lines[-1].endswith("[##############################] 20/20 microbatches (100%)")
 
 
+@pytest.mark.x64
 def test_progress_counts_a_traced_num_real_microbatches(capsys):
     def run(x, count):
         return microbatch(jnp.sum, 0, 4, progress=True, num_real_microbatches=count)(x)
@@ -73,6 +74,7 @@ def test_progress_on_a_mesh_is_one_bar(capsys, axis_type):
     assert [line.split("] ")[1].split(" ")[0] for line in lines] == [f"{i}/8" for i in range(1, 9)]
 
 
+@pytest.mark.x64
 def test_eager_calls_key_python_numbers_by_type_and_sign():
     add = microbatch(lambda x, s: jnp.sum(x) + s, 0, 4)
     x = jnp.arange(8)
