@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
+from microbatching import AccumulationType, Accumulator, micro_grad, micro_vmap, microbatch
 from microbatching import _per_example as per_example
 
 from .strategies import assert_close, random_array
@@ -405,3 +405,28 @@ def test_a_keyword_only_argument_is_not_told_to_go_by_position():
         r"functools\.partial\.",
     ):
         micro_grad(loss, microbatch_size=4)(P, X, scale=2.0)
+
+
+def test_eager_call_reads_what_a_custom_accumulator_closes_over():
+    scale = [1.0]
+    accumulator = Accumulator(
+        init=lambda s: jnp.zeros(s.shape, s.dtype),
+        update=lambda c, v, i: c + v * scale[0],
+        finalize=lambda c: c,
+        aggregate=lambda v: v.sum(0),
+    )
+    total = microbatch(jnp.sum, 0, 2, accumulator=accumulator)
+    x = jnp.arange(8.0)
+    assert_close(total(x), jnp.sum(x))
+    scale[0] = 10.0
+    assert_close(total(x), 10 * jnp.sum(x))
+
+
+@pytest.mark.parametrize("kind", [SUM, AccumulationType.MAX])
+def test_a_reduced_result_of_another_shape_on_the_remainder_is_an_error(kind):
+    with pytest.raises(
+        ValueError,
+        match=r"fun returned a leaf of shape \(1,\) on the last, partial microbatch but "
+        r"\(2,\) on the others, and a (SUM|MAX) accumulator needs one shape",
+    ):
+        microbatch(lambda x: x, 0, 2, kind, allow_remainder=True)(jnp.arange(5.0))

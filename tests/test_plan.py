@@ -568,3 +568,15 @@ def test_plan_is_frozen():
     assert isinstance(result, Plan)
     with pytest.raises(AttributeError):
         result.microbatch_size = 4  # type: ignore[misc]
+
+
+def test_plan_with_example_weights_given_as_a_shape():
+    loss = lambda p, x: jnp.sum(x @ p)  # noqa: E731
+    found = plan(
+        lambda m: micro_grad(loss, microbatch_size=m),
+        jnp.ones(3),
+        jnp.ones((16, 3)),
+        example_weights=jax.ShapeDtypeStruct((16,), jnp.float32),
+        memory_budget=1e9,
+    )
+    assert found.microbatch_size == 16

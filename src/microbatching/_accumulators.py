@@ -136,6 +136,7 @@ def _reduction(
         return zeros if wide == s.dtype else Open(zeros, s.dtype)
 
     def update(c: Any, x: Any, i: Any) -> Any:
+        _check_same_shape(how, c, x)
         if is_open(c):
             new = step(c.value, _layout.value(x).astype(c.value.dtype), i)
             return Open(new, c.dtype, c.merge)
@@ -159,6 +160,20 @@ def _reduction(
         finalize=lambda carry: jax.tree.map(finalize, carry, is_leaf=is_open),
         aggregate=lambda tree: jax.tree.map(aggregate, tree),
     )
+
+
+def _check_same_shape(how: str, carry: Any, x: Any) -> None:
+    """A reduction over microbatches needs one result shape; only the remainder, which
+    ``microbatch`` runs alone, can bring another."""
+    have, got = jnp.shape(_layout.value(carry)), jnp.shape(_layout.value(x))
+    if have != got:
+        raise ValueError(
+            f"fun returned a leaf of shape {got} on the last, partial microbatch but "
+            f"{have} on the others, and a {how.upper()} accumulator needs one shape: with "
+            "allow_remainder a result with a row per example is not reduced across "
+            "microbatches. Reduce over the rows inside fun (e.g. jnp.sum), or accumulate "
+            "that output with AccumulationType.CONCAT."
+        )
 
 
 def _check_inexact(kind: str | None, x: Any) -> None:

@@ -125,8 +125,9 @@ def locate(
     )
 
 
-def _weights(weights: Any, binding: BatchAxes) -> jax.Array:
-    """``example_weights`` checked: one bool, integer or float per example."""
+def _weights(weights: Any, binding: BatchAxes) -> jax.Array | jax.ShapeDtypeStruct:
+    """``example_weights`` checked: one bool, integer or float per example (an array, or
+    a ``jax.ShapeDtypeStruct`` for shapes only)."""
     shape, dtype = getattr(weights, "shape", None), getattr(weights, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(
@@ -140,7 +141,7 @@ def _weights(weights: Any, binding: BatchAxes) -> jax.Array:
         )
     kind = np.dtype(dtype)
     if kind == np.bool_ or any(jnp.issubdtype(kind, t) for t in (np.integer, np.floating)):
-        return jnp.asarray(weights)
+        return weights if isinstance(weights, jax.ShapeDtypeStruct) else jnp.asarray(weights)
     raise TypeError(
         f"{WEIGHTS} of {binding.transform} must be bool, integer or floating, got dtype "
         f"{kind}; pass real weights, or a boolean mask."

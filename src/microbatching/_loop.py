@@ -50,7 +50,10 @@ def loop(body: Function, axes: BatchAxes, settings: Settings) -> Function:
     those programs is compiled once per fingerprint (``_eager``) and reused.
     """
     size, name = settings.size, f"{settings.span}({axes.fun_name})"
-    padded = axes.weights and not _accumulators.is_custom(settings.accumulator)
+    custom = _accumulators.is_custom(settings.accumulator)
+    padded = axes.weights and not custom
+    # A custom Accumulator's functions are traced with the loop, not with ``body``: the
+    # fingerprint cannot see what they read, so its loop is not reused between calls.
     cache = _eager.Cache()
 
     def looped(args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any) -> Any:
@@ -71,7 +74,7 @@ def loop(body: Function, axes: BatchAxes, settings: Settings) -> Function:
                 programs = _trace(body, loop)
                 run = Run(loop.static(), settings, name if settings.progress else None)
                 consts, inputs = programs.consts(), loop.inputs()
-                if not _eager.is_concrete((consts, inputs)):
+                if custom or not _eager.is_concrete((consts, inputs)):
                     return run(programs.structure(), consts, inputs)
                 identities: list[Any] = []
                 key = (run.loop, programs.fingerprint(identities))
