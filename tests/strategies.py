@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from microbatching import AccumulationType
+
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
 FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -138,3 +140,68 @@ def clipper(bound: float):
         return jax.tree.map(lambda g: g * jnp.minimum(1.0, bound / norm), grads)
 
     return clip
+
+
+# --- per-example references for remainders, weights and extrema ------------------------
+
+ROWS_W = random_array(0, (3, 4), jnp.float32) / 2
+"""The weights of ``rows``."""
+
+
+def rows(x, w=ROWS_W):
+    """A per-example function of a row of 3 features, as a microbatch of rows."""
+    return jnp.tanh(x @ w)
+
+
+def weighted(kind, ys, weights=None):
+    """The reference: per-example results ``ys`` (rows on axis 0) reduced by ``kind`` with
+    ``weights`` applied afterwards (None: all 1)."""
+    n = ys.shape[0]
+    weights = jnp.ones(n, bool) if weights is None else weights
+    keep = jnp.reshape(weights != 0, (n,) + (1,) * (ys.ndim - 1))
+    if kind is AccumulationType.CONCAT:
+        return jnp.where(keep, ys, 0)
+    if kind in (AccumulationType.MAX, AccumulationType.MIN):
+        low = -jnp.inf if jnp.issubdtype(ys.dtype, jnp.floating) else jnp.iinfo(ys.dtype).min
+        if kind is AccumulationType.MAX:
+            return jnp.max(jnp.where(keep, ys, low), axis=0, initial=low)
+        high = jnp.inf if low == -jnp.inf else jnp.iinfo(ys.dtype).max
+        return jnp.min(jnp.where(keep, ys, high), axis=0, initial=high)
+    w = jnp.reshape(weights.astype(jnp.float32), keep.shape)
+    total = jnp.sum(jnp.where(keep, ys.astype(jnp.float32) * w, 0), axis=0)
+    if kind is AccumulationType.SUM:
+        return total
+    count = jnp.sum(weights.astype(jnp.float32))
+    if kind is AccumulationType.RUNNING_MEAN:  # no weight seen: the running mean's 0
+        return jnp.where(count == 0, 0, total / jnp.where(count == 0, 1, count))
+    return total / count
+
+
+def draw_weights(data, size, kind="any"):
+    """None, a boolean mask or float weights (some 0) for ``size`` examples."""
+    kind = data.draw(st.sampled_from(["none", "bool", "float"])) if kind == "any" else kind
+    if kind == "none":
+        return None
+    seed = data.draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    keep = rng.random(size) < 0.7
+    if kind == "bool":
+        return jnp.asarray(keep)
+    return jnp.asarray(np.where(keep, rng.uniform(0.1, 2.0, size), 0.0), jnp.float32)
+
+
+def terms(size, microbatch_size):
+    return max(1, -(-size // microbatch_size))
+
+
+def two_layer_loss(params, x, y):
+    """A per-example loss of ``two_layer_params`` (``keep_batch_dim``: a batch of one)."""
+    pred = jnp.tanh(x @ params["w"]) @ params["v"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def two_layer_params():
+    return {
+        "w": random_array(3, (3, 4), jnp.float32) / 2,
+        "v": random_array(4, (4,), jnp.float32),
+    }

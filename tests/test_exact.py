@@ -15,6 +15,8 @@ from microbatching import _per_example as per_example
 
 from .strategies import assert_close, random_array
 
+pytestmark = pytest.mark.x64  # dtypes are what most of these are about
+
 SUM, MEAN, CONCAT = AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.CONCAT
 X = random_array(0, (8, 3), jnp.float32)
 P = jnp.array([1.0, -0.5, 2.0])
