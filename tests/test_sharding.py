@@ -5,6 +5,7 @@ Collective counts are read from the compiled HLO text.
 """
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,61 @@ def test_explicitly_sharded_inputs_without_a_mesh_context(jitted):
     assert_close(grads, _reference_grads(params, X), terms=16)
     assert_close(rows, _rows(X))
     assert rows.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+# --- a batch not placed on an Explicit mesh ------------------------------------------
+
+X16 = random_array(0, (16, 3), jnp.float32)
+W3 = random_array(1, (3,), jnp.float32)
+
+
+def sin_loss(w, x):
+    return jnp.sum(jnp.sin(x @ w))
+
+
+def clipped_sum_of_sin(w, x, bound):
+    """The sum of per-example gradients clipped to norm ``bound``, in float64 NumPy."""
+    grads = np.asarray(jax.vmap(jax.grad(sin_loss), (None, 0))(w, x), np.float64)
+    norms = np.linalg.norm(grads.reshape(len(grads), -1), axis=1)
+    factors = np.minimum(1.0, bound / norms)
+    return np.sum(grads * factors[:, None], axis=0)
+
+
+EXPLICIT_UNPLACED = {
+    "fast path": {},
+    "clipped": {"l2_clip_norm": 1.0},
+    "transformed": {"transform_fn": lambda g: 2 * g},
+    "remainder": {"allow_remainder": True, "microbatch_size": 12},
+}
+
+
+@pytest.mark.parametrize("options", EXPLICIT_UNPLACED.values(), ids=EXPLICIT_UNPLACED.keys())
+def test_micro_grad_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh(options):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    options = {"microbatch_size": 4, **options}
+    fun = micro_grad(sin_loss, batch_mesh_axes="data", **options)
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about shards the batch does not have
+        got, aux = fun(W3, X16)
+    if "l2_clip_norm" in options:
+        want = clipped_sum_of_sin(W3, X16, options["l2_clip_norm"])
+    else:
+        want = jnp.sum(jax.vmap(jax.grad(sin_loss), (None, 0))(W3, X16), axis=0)
+        want = 2 * want if "transform_fn" in options else want
+    assert_close(got, want, terms=4)
+    assert_close(aux.values, jax.vmap(sin_loss, (None, 0))(W3, X16))
+
+
+def test_micro_vmap_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh_with_a_remainder():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    fun = micro_vmap(
+        lambda v: jnp.sin(v @ W3),
+        microbatch_size=12,
+        accumulator=AccumulationType.SUM,
+        batch_mesh_axes="data",
+        allow_remainder=True,
+    )
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fun(X16)
+    assert_close(got, np.sum(np.sin(np.asarray(X16, np.float64) @ np.asarray(W3, np.float64))))
