@@ -7,9 +7,11 @@ Two ways to compute a microbatch's contribution:
 - ``summed``: when the transform is the identity and the accumulation is a sum or a
   mean, the aggregate of the per-example gradients is the gradient of the summed loss,
   one backward pass with matrix products instead of one per example. Clipping scales
-  each example's loss by its clip factor, held fixed by ``stop_gradient``: the gradient
-  of the weighted sum is the sum of the clipped gradients. The factors need the norms
-  of the per-example gradients, which XLA computes without keeping the gradients.
+  each example's loss by its clip factor, held fixed: the gradient of the weighted sum
+  is the sum of the clipped gradients. The factors need the norms of the per-example
+  gradients, which XLA computes without keeping the gradients. That equality holds
+  only where ``_summed_is_exact`` proves it for the call's traced loss; elsewhere
+  ``summed`` forms the per-example gradients (``explicit``).
 """
 
 from __future__ import annotations
@@ -202,12 +204,9 @@ def summed(
     requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
     losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
     each = _vmap.vmapped(example.value_and_grad, example.axes, jax.vmap)
-    gradients = _vmap.vmapped(
-        lambda *a, **k: example.value_and_grad(*a, **k)[1], example.axes, jax.vmap
-    )
 
     def statistics(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        grads = gradients(*args, **kwargs)
+        grads = each(*args, **kwargs)[1]
         measured = None if metrics is None else jax.vmap(metrics)(grads)
         return measured, None if clip is None else clip_factors(grads, clip)
 
