@@ -205,3 +205,22 @@ def two_layer_params():
         "w": random_array(3, (3, 4), jnp.float32) / 2,
         "v": random_array(4, (4,), jnp.float32),
     }
+
+
+# --- a small sine model, and its clipped per-example gradients in float64 -----------------
+
+SIN_X = random_array(0, (16, 3), jnp.float32)
+SIN_W = random_array(1, (3,), jnp.float32)
+
+
+def sin_loss(w, x):
+    return jnp.sum(jnp.sin(x @ w))
+
+
+def clipped_sin_sum(w, x, bound):
+    """The sum of ``sin_loss``'s per-example gradients clipped to norm ``bound``, in
+    float64 NumPy."""
+    grads = np.asarray(jax.vmap(jax.grad(sin_loss), (None, 0))(w, x), np.float64)
+    norms = np.linalg.norm(grads.reshape(len(grads), -1), axis=1)
+    factors = np.minimum(1.0, bound / norms)
+    return np.sum(grads * factors[:, None], axis=0)

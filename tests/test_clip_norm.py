@@ -8,25 +8,13 @@ import pytest
 
 from microbatching import micro_grad
 
-from .strategies import assert_close, random_array
+from .strategies import SIN_W as W
+from .strategies import SIN_X as X
+from .strategies import assert_close
+from .strategies import clipped_sin_sum as clipped_sum
+from .strategies import sin_loss as loss
 
 pytestmark = pytest.mark.x64  # scalars of every dtype
-
-X = random_array(0, (16, 3), jnp.float32)
-W = random_array(1, (3,), jnp.float32)
-
-
-def loss(w, x):
-    return jnp.sum(jnp.sin(x @ w))
-
-
-def clipped_sum(w, x, bound):
-    """The sum of per-example gradients clipped to norm ``bound``, in float64 NumPy."""
-    grads = np.asarray(jax.vmap(jax.grad(loss), (None, 0))(w, x), np.float64)
-    norms = np.linalg.norm(grads.reshape(len(grads), -1), axis=1)
-    factors = np.minimum(1.0, bound / norms)
-    return np.sum(grads * factors[:, None], axis=0)
-
 
 CLIP_NORMS = {
     "jnp.float32": jnp.float32(0.5),

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch, reshape_batch_axis
 
-from .strategies import assert_close, clipper, random_array
+from .strategies import SIN_W, SIN_X, assert_close, clipped_sin_sum, clipper, random_array, sin_loss
 
 MOVES_DATA = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
@@ -212,22 +212,6 @@ def test_explicitly_sharded_inputs_without_a_mesh_context(jitted):
 
 # --- a batch not placed on an Explicit mesh ------------------------------------------
 
-X16 = random_array(0, (16, 3), jnp.float32)
-W3 = random_array(1, (3,), jnp.float32)
-
-
-def sin_loss(w, x):
-    return jnp.sum(jnp.sin(x @ w))
-
-
-def clipped_sum_of_sin(w, x, bound):
-    """The sum of per-example gradients clipped to norm ``bound``, in float64 NumPy."""
-    grads = np.asarray(jax.vmap(jax.grad(sin_loss), (None, 0))(w, x), np.float64)
-    norms = np.linalg.norm(grads.reshape(len(grads), -1), axis=1)
-    factors = np.minimum(1.0, bound / norms)
-    return np.sum(grads * factors[:, None], axis=0)
-
-
 EXPLICIT_UNPLACED = {
     "fast path": {},
     "clipped": {"l2_clip_norm": 1.0},
@@ -243,20 +227,20 @@ def test_micro_grad_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh(options):
     fun = micro_grad(sin_loss, batch_mesh_axes="data", **options)
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning about shards the batch does not have
-        got, aux = fun(W3, X16)
+        got, aux = fun(SIN_W, SIN_X)
     if "l2_clip_norm" in options:
-        want = clipped_sum_of_sin(W3, X16, options["l2_clip_norm"])
+        want = clipped_sin_sum(SIN_W, SIN_X, options["l2_clip_norm"])
     else:
-        want = jnp.sum(jax.vmap(jax.grad(sin_loss), (None, 0))(W3, X16), axis=0)
+        want = jnp.sum(jax.vmap(jax.grad(sin_loss), (None, 0))(SIN_W, SIN_X), axis=0)
         want = 2 * want if "transform_fn" in options else want
     assert_close(got, want, terms=4)
-    assert_close(aux.values, jax.vmap(sin_loss, (None, 0))(W3, X16))
+    assert_close(aux.values, jax.vmap(sin_loss, (None, 0))(SIN_W, SIN_X))
 
 
 def test_micro_vmap_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh_with_a_remainder():
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     fun = micro_vmap(
-        lambda v: jnp.sin(v @ W3),
+        lambda v: jnp.sin(v @ SIN_W),
         microbatch_size=12,
         accumulator=AccumulationType.SUM,
         batch_mesh_axes="data",
@@ -264,5 +248,5 @@ def test_micro_vmap_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh_with_a_rem
     )
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = fun(X16)
-    assert_close(got, np.sum(np.sin(np.asarray(X16, np.float64) @ np.asarray(W3, np.float64))))
+        got = fun(SIN_X)
+    assert_close(got, np.sum(np.sin(np.asarray(SIN_X, np.float64) @ np.asarray(SIN_W, np.float64))))

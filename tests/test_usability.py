@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import microbatching
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
 
-from .strategies import assert_close, random_array
+from .strategies import SIN_W, SIN_X, assert_close, random_array, sin_loss
 
 X = random_array(0, (40, 3), jnp.float32)
 W = random_array(1, (3, 2), jnp.float32)
@@ -151,14 +151,6 @@ def test_version_matches_the_package_metadata():
 
 # --- progress inside shard_map ----------------------------------------------------------
 
-X16 = random_array(0, (16, 3), jnp.float32)
-W3 = random_array(1, (3,), jnp.float32)
-
-
-def sin_loss(w, x):
-    return jnp.sum(jnp.sin(x @ w))
-
-
 BAR = re.compile(
     r"micro_(vmap\(<lambda>\)|grad\(sin_loss\)) \[[#.]{30}\] (\d)/4 microbatches \(\d+%\)"
 )
@@ -169,7 +161,7 @@ def test_progress_inside_shard_map_is_one_bar_per_process(capfd, transform):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     if transform == "micro_vmap":
         fun = micro_vmap(
-            lambda v: jnp.sin(v @ W3),
+            lambda v: jnp.sin(v @ SIN_W),
             microbatch_size=2,
             accumulator=AccumulationType.SUM,
             progress=True,
@@ -177,9 +169,9 @@ def test_progress_inside_shard_map_is_one_bar_per_process(capfd, transform):
         per_shard = lambda x: jax.lax.psum(fun(x), "data")  # noqa: E731
     else:
         fun = micro_grad(sin_loss, microbatch_size=2, progress=True)
-        per_shard = lambda x: jax.lax.psum(fun(W3, x)[0], "data")  # noqa: E731
+        per_shard = lambda x: jax.lax.psum(fun(SIN_W, x)[0], "data")  # noqa: E731
     sharded = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P()))
-    x = jnp.concatenate([X16] * 4)  # 8 rows per shard: 4 microbatches of 2
+    x = jnp.concatenate([SIN_X] * 4)  # 8 rows per shard: 4 microbatches of 2
     with jax.set_mesh(mesh):
         x = jax.device_put(x, NamedSharding(mesh, P("data")))
         for _ in range(2):  # a later call starts a fresh bar
