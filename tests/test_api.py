@@ -17,7 +17,16 @@ SPEC_NAMES = {
 
 
 def test_all_is_the_public_surface():
-    assert set(microbatching.__all__) == SPEC_NAMES | {"Aux", "Plan", "PlanRow", "plan"}
+    assert set(microbatching.__all__) == SPEC_NAMES | {
+        "Aux",
+        "Plan",
+        "PlanRow",
+        "plan",
+        "ClippingReport",
+        "LeafRule",
+        "clipping_report",
+        "l2_norm",
+    }
     public = {n for n in dir(microbatching) if not n.startswith("_")}
     assert public == set(microbatching.__all__)
 
@@ -74,6 +83,10 @@ def test_signatures_follow_the_spec():
         "metrics_fn",
         "num_real_microbatches",
         "l2_clip_norm",  # ours, beyond the spec, keyword-only
+        "rescale_to_unit_norm",  # issue 14
+        "normalize_by",
+        "nan_safe",
+        "clip_method",
         "accumulation_dtype",
         "batch_mesh_axes",
         "progress",
@@ -84,7 +97,7 @@ def test_signatures_follow_the_spec():
         for name, kind, default in _parameters(fun):
             if name in extra:
                 assert kind == p.KEYWORD_ONLY and default is None
-            if name in ("progress", "allow_remainder"):
+            if name in ("progress", "allow_remainder", "rescale_to_unit_norm", "nan_safe"):
                 assert kind == p.KEYWORD_ONLY and default is False
     assert _parameters(mb.reshape_batch_axis) == [
         ("tree", p.POSITIONAL_OR_KEYWORD, p.empty),

@@ -5,8 +5,12 @@ from ._accumulators import AccumulationType as AccumulationType
 from ._accumulators import Accumulator as Accumulator
 from ._grad import Aux as Aux
 from ._grad import micro_grad as micro_grad
+from ._inspect import ClippingReport as ClippingReport
+from ._inspect import LeafRule as LeafRule
+from ._inspect import clipping_report as clipping_report
 from ._layout import reshape_batch_axis as reshape_batch_axis
 from ._microbatch import microbatch as microbatch
+from ._per_example import l2_norm as l2_norm
 from ._plan import Plan as Plan
 from ._plan import PlanRow as PlanRow
 from ._plan import plan as plan
@@ -18,8 +22,12 @@ __all__ = [
     "AccumulationType",
     "Accumulator",
     "Aux",
+    "ClippingReport",
+    "LeafRule",
     "Plan",
     "PlanRow",
+    "clipping_report",
+    "l2_norm",
     "micro_grad",
     "micro_vmap",
     "microbatch",

@@ -173,6 +173,36 @@ def ensure_mesh_axes(batch_mesh_axes: Any) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+def ensure_clip_bound(l2_clip_norm: Any) -> Any:
+    """None, a positive scalar (``ensure_clip_norm``), or a pytree of them: one bound
+    per subtree of the gradient (per-layer clipping)."""
+    leaves, structure = jax.tree_util.tree_flatten_with_path(l2_clip_norm)
+    if structure.num_nodes == 1 or not leaves:
+        return ensure_clip_norm(l2_clip_norm)
+    checked = []
+    for path, leaf in leaves:
+        try:
+            checked.append(ensure_clip_norm(leaf))
+        except (TypeError, ValueError) as error:
+            where = jax.tree_util.keystr(path)
+            raise type(error)(f"l2_clip_norm{where}: {error}") from None
+    return jax.tree.unflatten(jax.tree.structure(l2_clip_norm), checked)
+
+
+def ensure_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}.")
+    return value
+
+
+def ensure_positive(name: str, value: Any) -> float:
+    """A positive finite Python number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < np.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {name}={value!r}.")
+    return float(value)
+
+
 def ensure_clip_norm(l2_clip_norm: Any) -> float | jax.Array | None:
     """None, or a positive finite real scalar: a number or a 0-d array.
 

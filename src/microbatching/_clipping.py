@@ -12,6 +12,7 @@ gradient to 0.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -24,21 +25,35 @@ def row_norms(grads: PyTree, rows: int) -> jax.Array:
     """The L2 norm of each row of gradients stacked on axis 0, over all leaves."""
     if not rows:
         return jnp.zeros((0,))
-    flat = [_magnitudes(g).reshape(rows, -1) for g in jax.tree.leaves(grads)]
+    flat = [_magnitudes(g) for g in jax.tree.leaves(grads)]
     if not flat:
         return jnp.zeros((rows,))
-    largest = jnp.max(jnp.stack([jnp.max(f, axis=1, initial=0.0) for f in flat]), axis=0)
+    largest = jnp.max(jnp.stack([jnp.max(f, axis=_rest(f), initial=0.0) for f in flat]), axis=0)
     safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
     # Divided twice by the square root: XLA may divide by multiplying with the reciprocal,
-    # and 1 / m is subnormal (flushed to 0) for m above 2**126; 1 / sqrt(m) never is.
-    root = jnp.sqrt(safe)[:, None]
-    squares = sum(jnp.sum(jnp.square(f / root / root), axis=1) for f in flat)
+    # and 1 / m is subnormal (flushed to 0) for m above 2**126; 1 / sqrt(m) never is. The
+    # barrier keeps XLA from rewriting the scaled squares back into overflowing ones,
+    # which it does where the gradient is a known constant.
+    root = jnp.sqrt(safe)
+    flat, root = jax.lax.optimization_barrier((flat, root))
+    squares = sum(
+        jnp.sum(jnp.square(f / _at_rows(root, f) / _at_rows(root, f)), axis=_rest(f)) for f in flat
+    )
     return jnp.where(jnp.isfinite(largest), safe * jnp.sqrt(squares), largest)
+
+
+def _rest(x: jax.Array) -> tuple[int, ...]:
+    return tuple(range(1, x.ndim))
+
+
+def _at_rows(values: jax.Array, x: jax.Array) -> jax.Array:
+    """``values`` of shape ``(rows,)`` broadcast against ``x`` along its axis 0."""
+    return jnp.reshape(values, values.shape + (1,) * (x.ndim - 1))
 
 
 def norm(grads: PyTree) -> jax.Array:
     """The L2 norm of one gradient, over all its leaves."""
-    return row_norms(jax.tree.map(lambda g: jnp.reshape(g, (1, -1)), grads), 1)[0]
+    return row_norms(jax.tree.map(lambda g: jnp.asarray(g)[None], grads), 1)[0]
 
 
 def factor(norms: jax.Array, bound: Any) -> jax.Array:
@@ -52,3 +67,78 @@ def _magnitudes(g: Any) -> jax.Array:
     magnitude = jnp.abs(g) if jnp.iscomplexobj(g) else g
     wide = jnp.promote_types(magnitude.dtype, jnp.float32)
     return jnp.abs(magnitude.astype(wide))
+
+
+def leaf_norms(grads: PyTree, rows: int) -> jax.Array:
+    """``(rows, leaves)``: the norm of each leaf of each row of stacked gradients."""
+    leaves = jax.tree.leaves(grads)
+    if not leaves:
+        return jnp.zeros((rows, 0), jnp.float32)
+    return jnp.stack([row_norms(g, rows) for g in leaves], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Clipping:
+    """DP clipping as the user asked for it: the bound (one, or one per subtree of the
+    gradient), and what to do with the clipped gradient.
+
+    Attributes:
+      bound: A positive number or traced scalar, or a pytree of them that is a prefix of
+        the gradient: each subtree is clipped to its own bound (per-layer clipping).
+      unit: Divide each clipped gradient by its bound (``rescale_to_unit_norm``).
+      normalize_by: Divide the clipped gradients by this.
+      nan_safe: An example whose gradient is not finite contributes zero.
+    """
+
+    bound: Any
+    unit: bool = False
+    normalize_by: float = 1.0
+    nan_safe: bool = False
+
+    def groups(self, grads: PyTree) -> tuple[list[int], list[Any]]:
+        """The group of each leaf of ``grads``, and each group's bound."""
+        bounds, structure = jax.tree.flatten(self.bound)
+        n = len(jax.tree.leaves(grads))
+        if structure.num_nodes == 1:
+            return [0] * n, bounds
+        try:
+            index = jax.tree.broadcast(jax.tree.unflatten(structure, range(len(bounds))), grads)
+        except ValueError as error:
+            raise ValueError(
+                f"l2_clip_norm is a pytree, so it must be a prefix of the gradient's tree, "
+                f"but {structure} is not a prefix of {jax.tree.structure(grads)} ({error}); "
+                "pass one bound per subtree of the differentiated arguments, or one number."
+            ) from None
+        return list(jax.tree.leaves(index)), bounds
+
+    def factors(self, norms: jax.Array, groups: list[int], bounds: list[Any]) -> jax.Array:
+        """``(rows, groups)``: each example's scale for each group, from the norms of its
+        leaves ``(rows, leaves)``."""
+        rows = norms.shape[0]
+        columns = []
+        for group, bound in enumerate(bounds):
+            members = [leaf for leaf, g in enumerate(groups) if g == group]
+            scale = factor(row_norms(norms[:, members], rows), bound)
+            columns.append(scale / bound if self.unit else scale)
+        scale = jnp.stack(columns, axis=1) if columns else jnp.ones((rows, 0))
+        if self.nan_safe:
+            finite = jnp.all(jnp.isfinite(norms), axis=1, keepdims=True)
+            scale = jnp.where(finite, scale, jnp.zeros((), scale.dtype))
+        return scale / self.normalize_by if self.normalize_by != 1 else scale
+
+    def per_leaf(self, norms: jax.Array, grads: PyTree) -> list[jax.Array]:
+        """``(rows,)`` scale of each leaf of ``grads``, from the norms of its leaves."""
+        groups, bounds = self.groups(grads)
+        scale = self.factors(norms, groups, bounds)
+        return [scale[:, g] for g in groups]
+
+    def clip(self, grads: PyTree) -> PyTree:
+        """One example's gradient, clipped."""
+        leaves, structure = jax.tree.flatten(grads)
+        norms = leaf_norms([jnp.asarray(g)[None] for g in leaves], 1)
+        scales = self.per_leaf(norms, grads)
+        clipped = [
+            jnp.where(s[0] != 0, g * s[0].astype(g.dtype), jnp.zeros((), g.dtype))
+            for g, s in zip(leaves, scales, strict=True)
+        ]
+        return jax.tree.unflatten(structure, clipped)

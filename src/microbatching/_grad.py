@@ -7,8 +7,9 @@ from typing import Any
 
 import jax
 
-from . import _accumulators, _checks, _per_example, _signature, _vmap
+from . import _accumulators, _checks, _clipping, _per_example, _signature, _vmap
 from ._accumulators import AccumulationType
+from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
 from ._typing import AccumulatorTree, Count, P, PyTree
 from ._wrap import Settings, wraps
@@ -26,7 +27,11 @@ def micro_grad(
     transform_fn: Callable[[PyTree], PyTree] = identity,
     metrics_fn: Callable[[PyTree], PyTree] = no_metrics,
     num_real_microbatches: Count = None,
-    l2_clip_norm: float | jax.Array | None = None,
+    l2_clip_norm: float | jax.Array | PyTree | None = None,
+    rescale_to_unit_norm: bool = False,
+    normalize_by: float = 1.0,
+    nan_safe: bool = False,
+    clip_method: str = "auto",
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     progress: bool = False,
@@ -130,14 +135,38 @@ def micro_grad(
         "micro_grad",
         _checks.ensure_bool("allow_remainder", allow_remainder),
     )
-    clip = _checks.ensure_clip_norm(l2_clip_norm)
+    clipping = _clipping_of(l2_clip_norm, rescale_to_unit_norm, normalize_by, nan_safe)
+    method = _checks.ensure_choice("clip_method", clip_method, _per_example.METHODS)
+    if method in ("two_pass", "chunked") and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
+        raise ValueError(
+            f"micro_grad was given clip_method={method!r}, which scales each example's "
+            "loss by one factor, and a pytree l2_clip_norm, which needs one factor per "
+            "subtree; pass clip_method='ghost', 'materialize' or 'auto'."
+        )
+    if method == "ghost" and metrics not in (no_metrics, _per_example.l2_norm):
+        raise ValueError(
+            f"micro_grad was given clip_method='ghost' and metrics_fn={metrics!r}, which "
+            "needs each example's gradient; the ghost method never forms them. Pass "
+            "metrics_fn=microbatching.l2_norm for the per-example norms, or "
+            "clip_method='auto'."
+        )
     batched_grad = any(axes.spec(i) is not None for i in example.nums())
-    if transform is identity and _accumulators.is_linear(accumulators) and not batched_grad:
+    is_summed = transform is identity and _accumulators.is_linear(accumulators)
+    is_summed = is_summed and not batched_grad
+    wanted = clipping is not None or metrics is _per_example.l2_norm
+
+    def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ClippingReport:
+        kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
+        args, kwargs = axes.to_positions(args, kwargs)
+        dtype = settings.accumulation_dtype
+        return _per_example.describe(example, wanted, is_summed, method, dtype, args, kwargs)
+
+    if is_summed:
         measure = None if metrics is no_metrics else metrics
-        summed = _per_example.summed(example, accumulators, clip, measure, settings)
+        summed = _per_example.summed(example, accumulators, clipping, measure, settings, method)
         looped = _vmap.loop_over(summed, axes, settings)
     else:
-        per_example = _per_example.per_example(example, clip, transform, metrics)
+        per_example = _per_example.per_example(example, clipping, transform, metrics)
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
 
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
@@ -148,4 +177,31 @@ def micro_grad(
         unsplit.check(positional)
         return looped(*args, **kwargs)
 
-    return wraps(fun, checked, axes, settings, weights=True)
+    return wraps(fun, checked, axes, settings, weights=True, describe=describe)
+
+
+def _clipping_of(
+    l2_clip_norm: Any, rescale_to_unit_norm: Any, normalize_by: Any, nan_safe: Any
+) -> _clipping.Clipping | None:
+    """The clipping options, checked together."""
+    bound = _checks.ensure_clip_bound(l2_clip_norm)
+    unit = _checks.ensure_bool("rescale_to_unit_norm", rescale_to_unit_norm)
+    divide = _checks.ensure_positive("normalize_by", normalize_by)
+    safe = _checks.ensure_bool("nan_safe", nan_safe)
+    if bound is None:
+        given = [
+            f"{name}={value!r}"
+            for name, value, default in [
+                ("rescale_to_unit_norm", unit, False),
+                ("normalize_by", divide, 1.0),
+                ("nan_safe", safe, False),
+            ]
+            if value != default
+        ]
+        if given:
+            raise ValueError(
+                f"micro_grad was given {', '.join(given)} without l2_clip_norm; these "
+                "change how clipped gradients are summed, so pass l2_clip_norm too."
+            )
+        return None
+    return _clipping.Clipping(bound, unit, divide, safe)

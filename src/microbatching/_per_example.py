@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _accumulators, _clipping, _layout, _programs, _vmap
+from . import _accumulators, _clipping, _ghost, _layout, _programs, _vmap
+from ._inspect import ClippingReport, LeafRule
 from ._signature import BatchAxes
 from ._typing import Function, PyTree
 from ._wrap import Settings
@@ -161,17 +162,27 @@ class Examples:
         return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
 
-def clip_factors(grads: PyTree, bound: float | jax.Array) -> jax.Array:
-    """``min(1, bound / ||g_b||)`` per example, for gradients stacked on axis 0."""
-    leaves = jax.tree.leaves(grads)
-    if not leaves:
-        return jnp.ones(())
-    return _clipping.factor(_clipping.row_norms(grads, leaves[0].shape[0]), bound)
+METHODS = ("auto", "ghost", "two_pass", "chunked", "materialize")
+"""How ``micro_grad`` may compute clipped sums and per-example norms; see its docstring."""
+
+
+def l2_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of a pytree of arrays, over all its leaves, without overflow.
+
+    As ``metrics_fn`` of ``micro_grad`` it gives each example's gradient norm, and with
+    the default ``transform_fn`` and SUM or MEAN these norms come from the traced
+    program without forming the per-example gradients.
+
+    >>> import jax.numpy as jnp
+    >>> float(l2_norm({"w": jnp.array([3.0, 0.0]), "b": jnp.array(4.0)}))
+    5.0
+    """
+    return _clipping.norm(tree)
 
 
 def per_example(
     example: Examples,
-    clip: float | jax.Array | None,
+    clipping: _clipping.Clipping | None,
     transform: Callable[[PyTree], PyTree],
     metrics: Callable[[PyTree], PyTree],
 ) -> Function:
@@ -181,9 +192,8 @@ def per_example(
         with jax.named_scope("micro_grad_step"):
             (value, aux), grads = example.value_and_grad(*args, **kwargs)
             measured = metrics(grads)
-            if clip is not None:
-                factor = _clipping.factor(_clipping.norm(grads), clip)
-                grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+            if clipping is not None:
+                grads = clipping.clip(grads)
             return transform(grads), Aux(value, measured, aux)
 
     return one
@@ -192,9 +202,10 @@ def per_example(
 def summed(
     example: Examples,
     accumulators: Any,
-    clip: float | jax.Array | None,
+    clipping: _clipping.Clipping | None,
     metrics: Callable[[PyTree], PyTree] | None,
     settings: Settings,
+    method: str,
 ) -> Function:
     """A microbatch's summed (or averaged) gradient and its per-example ``Aux``.
 
@@ -204,18 +215,41 @@ def summed(
     requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
     losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
     each = _vmap.vmapped(example.value_and_grad, example.axes, jax.vmap)
+    norms_only = metrics is l2_norm
 
     def statistics(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         grads = each(*args, **kwargs)[1]
         measured = None if metrics is None else jax.vmap(metrics)(grads)
-        return measured, None if clip is None else clip_factors(grads, clip)
+        if clipping is None:
+            return measured, None
+        rows = _first_batched(example.axes, args, kwargs).shape[0]
+        scale = clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
+        return measured, scale[0] if scale else jnp.ones((rows,))
 
     def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        scaled = clip is not None or given is not None
-        if not _summed_is_exact(example, losses, requested, scaled, args, kwargs):
+        scaled = clipping is not None or given is not None
+        wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
+        if wanted and method in ("auto", "ghost"):
+            out = ghost(example, clipping, norms_only, requested, given, args, kwargs)
+            if not isinstance(out, str):
+                return out
+            if method == "ghost":
+                raise ValueError(_NO_GHOST.format(method=method, reason=out))
+        if method == "materialize" or not _summed_is_exact(
+            example, losses, requested, scaled, args, kwargs
+        ):
+            if method in ("two_pass", "chunked"):
+                raise ValueError(_NOT_LINEAR.format(method=method))
             return explicit(given, *args, **kwargs)
         measured, factors = None, None
-        if clip is not None or metrics is not None:
+        if method == "two_pass":
+            norms = ghost_norms(example, requested, args, kwargs)
+            if isinstance(norms, str):
+                raise ValueError(_NO_GHOST.format(method=method, reason=norms))
+            if clipping is not None:
+                factors = clipping.per_leaf(norms, [args[i] for i in example.nums()])[0]
+            measured = _clipping.row_norms(norms, norms.shape[0]) if norms_only else None
+        elif clipping is not None or metrics is not None:
             # The factors depend on the parameters, but as values closed over by ``total``
             # the gradient below holds them fixed; outer derivatives still see them.
             measured, factors = _in_chunks(statistics, example, args, kwargs)
@@ -245,25 +279,29 @@ def summed(
         (values, aux), grads = each(*args, **kwargs)
         rows = values.shape[0]
         measured = None if metrics is None else jax.vmap(metrics)(grads)
-        scale = jnp.ones((rows,), jnp.float32)
-        if clip is not None:
-            scale = _clipping.factor(_clipping.row_norms(grads, rows), clip)
+        leaves, structure = jax.tree.flatten(grads)
+        scales = [jnp.ones((rows,), jnp.float32)] * len(leaves)
+        if clipping is not None:
+            scales = clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
         keep = None if given is None else given != 0
         if given is not None and given.dtype != jnp.bool_:
-            scale = scale * given.astype(jnp.promote_types(given.dtype, scale.dtype))
+            scales = [s * given.astype(jnp.promote_types(given.dtype, s.dtype)) for s in scales]
 
-        def add(g: jax.Array) -> _layout.Open:
+        def add(g: jax.Array, scale: jax.Array) -> _layout.Open:
             wide = _accumulators.accumulation_dtype(g.dtype, requested)
             shape = (rows,) + (1,) * (g.ndim - 1)
             terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
+            drop = jnp.reshape(scale == 0, shape)
             if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-                terms = jnp.where(jnp.reshape(keep, shape), terms, jnp.zeros((), wide))
+                drop = drop | ~jnp.reshape(keep, shape)
+            terms = jnp.where(drop, jnp.zeros((), wide), terms)
             return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
 
         out = Aux(values, measured, aux)
         if keep is not None:
             out = jax.tree.map(lambda x: _masked(x, keep), out)
-        return jax.tree.map(add, grads), out
+        summed = [add(g, s) for g, s in zip(leaves, scales, strict=True)]
+        return jax.tree.unflatten(structure, summed), out
 
     def per_microbatch(weights: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         with jax.named_scope("micro_grad_step"):
@@ -285,6 +323,183 @@ def summed(
             return _accumulators.per_row(accumulators, grads, first.shape[0]), aux
 
     return per_microbatch
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A call's arguments as the ghost norms read them: the parameter leaves, the batch
+    leaves, and the loss as a function of both (one example)."""
+
+    params: list[Any]
+    structure: Any  # of the differentiated arguments, as a list
+    data: list[Any]
+    fun: Callable[[list[Any], list[Any]], list[Any]]
+    aux: list[Any]  # the structure of aux, once traced
+
+    def one_example(self) -> list[Any]:
+        """The first example's leaves: what they are (types, sharding, varying manual
+        axes) is what the trace of one example sees."""
+        return [x[0] for x in self.data]
+
+    def gradient(self, example: Examples, leaves: list[Any]) -> PyTree:
+        grads = jax.tree.unflatten(self.structure, leaves)
+        return grads[0] if isinstance(example.argnums, int) else tuple(grads)
+
+
+def _split(example: Examples, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Split:
+    nums = example.nums()
+    params, structure = jax.tree.flatten([args[i] for i in nums])
+    places = [
+        w
+        for w in [*range(len(args)), *kwargs]
+        if example.axes.spec(w) is not None and w not in nums
+    ]
+    data, batch = jax.tree.flatten([args[w] if isinstance(w, int) else kwargs[w] for w in places])
+    aux: list[Any] = []
+
+    def fun(p: list[Any], d: list[Any]) -> list[Any]:
+        full, named = list(args), dict(kwargs)
+        for i, value in zip(nums, jax.tree.unflatten(structure, p), strict=True):
+            full[i] = value
+        for w, value in zip(places, jax.tree.unflatten(batch, d), strict=True):
+            if isinstance(w, int):
+                full[w] = value
+            else:
+                named[w] = value
+        value, extra = example.loss(*full, **named)
+        leaves, tree = jax.tree.flatten(extra)
+        aux[:] = [tree]
+        return [value, *leaves]
+
+    return _Split(params, structure, data, fun, aux)
+
+
+def _analyse(split: _Split, requested: Any) -> _ghost.Program | str:
+    """The traced program of one example's loss, or why the ghost norms cannot read it."""
+    if not all(jnp.issubdtype(jnp.result_type(p), jnp.inexact) for p in split.params):
+        return "a differentiated leaf is not a float array"
+    if not split.data or not split.data[0].shape[0]:
+        return "the batch is empty"
+    program = _ghost.analyse(split.fun, split.params, split.one_example())
+    if program is None:
+        return "the loss does not depend on the batch"
+    for dtype in program.dtypes:
+        wide = _accumulators.accumulation_dtype(dtype, requested)
+        if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
+            return f"it computes in {dtype}, narrower than its accumulation dtype {wide}"
+    return program
+
+
+def ghost_norms(
+    example: Examples, requested: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> jax.Array | str:
+    """``(rows, leaves)`` per-example norms of each parameter leaf, by the ghost norms."""
+    split = _split(example, args, kwargs)
+    program = _analyse(split, requested)
+    if isinstance(program, str):
+        return program
+    seen = _ghost.record(program, split.params, split.data)
+    return _ghost.leaf_norms(program, split.params, seen)
+
+
+def ghost(
+    example: Examples,
+    clipping: _clipping.Clipping | None,
+    norms_only: bool,
+    requested: Any,
+    given: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[PyTree, Aux] | str:
+    """The clipped (weighted) sum by book-keeping, with per-example values, aux and
+    norms; or why the ghost norms cannot read this loss."""
+    split = _split(example, args, kwargs)
+    program = _analyse(split, requested)
+    if isinstance(program, str):
+        return program
+    seen = _ghost.record(program, split.params, split.data)
+    norms = _ghost.leaf_norms(program, split.params, seen)
+    rows = norms.shape[0]
+    if clipping is not None:
+        groups, bounds = clipping.groups(split.gradient(example, split.params))
+        scale = clipping.factors(norms, groups, bounds)
+    else:
+        groups, scale = [0] * len(split.params), jnp.ones((rows, 1), jnp.float32)
+    if given is not None:
+        weights = given if given.dtype != jnp.bool_ else given.astype(scale.dtype)
+        wide = jnp.promote_types(weights.dtype, scale.dtype)
+        scale = jnp.where(given[:, None] != 0, scale.astype(wide) * weights[:, None], 0)
+    clean = given is not None or (clipping is not None and clipping.nan_safe)
+    sums = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean)
+    grads = split.gradient(example, sums)
+    aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
+    measured = _clipping.row_norms(norms, rows) if norms_only else None
+    out = Aux(seen.outs[0], measured, aux)
+    if given is not None:
+        keep = given != 0
+        out = jax.tree.map(lambda x: _masked(x, keep), out)
+        grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
+    return grads, out
+
+
+def describe(
+    example: Examples,
+    wanted: bool,
+    is_summed: bool,
+    method: str,
+    requested: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> ClippingReport:
+    """What ``summed`` or ``per_example`` does for a call with these arguments (whole
+    batch), as ``clipping_report`` shows it."""
+    split = _split(example, args, kwargs)
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(split.gradient(example, split.params))[0]
+    ]
+
+    def each(rule: str, why: str) -> ClippingReport:
+        leaves = tuple(
+            LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
+            for path, p in zip(paths, split.params, strict=True)
+        )
+        return ClippingReport(method if method != "auto" else rule, why, leaves)
+
+    if not is_summed:
+        why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
+        return dataclasses.replace(each("per-example", why), method="materialize")
+    if not wanted:
+        return dataclasses.replace(each("unused", "no clipping and no norms"), method="plain")
+    if method in ("chunked", "materialize"):
+        return dataclasses.replace(each("per-example", "asked for"), method=method)
+    program = _analyse(split, requested)
+    if isinstance(program, str):
+        if method in ("ghost", "two_pass"):
+            raise ValueError(_NO_GHOST.format(method=method, reason=program))
+        losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
+        exact = _summed_is_exact(example, losses, requested, True, args, kwargs)
+        chosen = "chunked" if exact else "materialize"
+        return dataclasses.replace(each("per-example", program), method=chosen)
+    leaves = tuple(
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops)
+        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
+    )
+    why = "asked for" if method != "auto" else "the ghost norms read this loss"
+    return ClippingReport("ghost" if method == "auto" else method, why, leaves)
+
+
+_NO_GHOST = (
+    "micro_grad was given clip_method={method!r}, but the ghost norms cannot read this "
+    "loss: {reason}. Pass clip_method='auto' to let micro_grad pick an exact method."
+)
+_NOT_LINEAR = (
+    "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
+    "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
+    "the per-example gradients here (a value narrower than its accumulation dtype, or a "
+    "custom VJP that is not linear in its cotangent). Pass clip_method='auto' or "
+    "'ghost'."
+)
 
 
 def _by_shard(

@@ -55,6 +55,7 @@ class Options:
 
     axes: BatchAxes
     settings: Settings
+    describe: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
 
     @property
     def allow_remainder(self) -> bool:
@@ -75,6 +76,7 @@ def wraps(
     axes: BatchAxes,
     settings: Settings,
     weights: bool = False,
+    describe: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
 ) -> Callable[P, Any]:
     """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
 
@@ -82,10 +84,12 @@ def wraps(
     when one becomes a module field; our wrappers are plain functions. With
     ``weights`` the signature also has a keyword-only ``example_weights=None``, so that
     ``inspect.signature(...).bind`` (``eqx.filter_jit``, ``donate_argnames``) accepts it.
+    ``describe(args, kwargs)`` says how ``micro_grad`` would compute a call
+    (``clipping_report``).
     """
     out = functools.wraps(fun, updated=())(_shapes_of_structs(wrapper))
     del out.__wrapped__
-    setattr(out, OPTIONS, Options(axes, settings))
+    setattr(out, OPTIONS, Options(axes, settings, describe))
     with contextlib.suppress(TypeError, ValueError):  # builtins may have none
         signature = inspect.signature(fun)
         if weights:

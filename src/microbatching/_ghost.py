@@ -1,0 +1,675 @@
+"""Per-example gradient norms without per-example gradients (ghost norms), and the clipped
+sum by book-keeping, read off the traced program of one example's loss.
+
+The loss of one example is traced once. Every value of the program is labelled by what it
+depends on: the differentiated parameters, the example, both, or neither. A **site** is an
+equation where a value that depends only on the parameters (a *free* value) meets a value
+that depends on the example: ``x @ w``, a convolution with a parameter kernel, an
+embedding gather, a bias added to an activation. The gradient of a parameter leaf for
+one example is the sum, over the sites its free values reach, of each site's own
+vector-Jacobian product with respect to its free inputs, taken at the site's data inputs
+``a_b`` and output cotangent ``g_b``, then pulled back through the parameters-only part
+of the program. So:
+
+- One batched forward pass records every site's data inputs, and one backward pass with
+  respect to zero taps added to every site's outputs gives every ``g_b``. Neither forms a
+  weight gradient.
+- Each leaf's per-example norm comes by a **rule**:
+  - ``dense``: the leaf reaches exactly one ``dot_general`` through shape-only steps
+    (transpose, reshape, a same-dtype convert). Its gradient is ``A^T G`` (rows ``t``
+    over the example's free dimensions), and ``||A^T G||^2`` is either the Gram form
+    ``sum_ts (a_t.a_s)(g_t.g_s)`` or the product itself, whichever takes fewer flops.
+  - ``embedding``: the leaf is the table of one gather of rows: ``sum_ts [i_t = i_s]
+    (g_t.g_s)``, or the scattered rows when the table is smaller than ``T^2``.
+  - ``direct``: any other leaf (biases, norm scales, convolution kernels, tied or shared
+    weights, weights inside ``scan`` or ``cond``): its own per-example gradient, from
+    its sites' products, a chunk of examples at a time. Exact for any primitive; it
+    costs that leaf's size per example.
+- The clipped (or weighted) sum is one more product per site at the scaled cotangents
+  ``c_b g_b``, summed over examples, and one pull-back through the parameters-only
+  program. Each site's product is linear in its own cotangent, so this is exact even
+  when the model holds a custom VJP that is not; a site that is itself such a call has
+  its contribution summed from its per-example products instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from . import _clipping, _programs
+
+INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
+"""Calls whose body is read as part of the program, so that sites inside them are found."""
+
+SHAPE_ONLY = {"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+"""Steps from a leaf to a site that move entries without changing them: the leaf's
+gradient has the norm of the site operand's."""
+
+NO_GRADIENT = {"stop_gradient"}
+
+NONLINEAR_IN_COTANGENT = {
+    "custom_lin",
+    "custom_vjp_call",
+    "custom_transpose_call",
+    "custom_linear_solve",
+    "custom_jvp_call",
+}
+"""Sites whose product with their cotangent may run code that the user supplies (a
+``custom_jvp`` rule may itself call a ``custom_vjp``): their scaled contributions are
+summed from the per-example products, never by scaling the cotangent."""
+
+CHUNK_BYTES = 32 * 2**20
+"""Bytes of per-example gradients of ``direct`` leaves formed at once."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Const:
+    """A constant of the program (a literal, or a constant of an inlined call)."""
+
+    value: Any
+
+
+Atom = int | Const
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Eqn:
+    """One equation of the inlined program, its values named by integers."""
+
+    primitive: Any
+    params: dict[str, Any]
+    ctx: Any
+    ins: tuple[Atom, ...]
+    outs: tuple[int, ...]
+
+    def bind(self, values: Sequence[Any]) -> list[Any]:
+        params = self.primitive.get_bind_params(self.params)
+        with self.ctx.manager:
+            out = self.primitive.bind(*values, **params)
+        return list(out) if self.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where free values meet the example: an equation and the roles of its inputs."""
+
+    eqn: int
+    free: tuple[int, ...]  # input positions holding gradient-carrying free values
+    data: tuple[int, ...]  # input positions that depend on the example
+    linear: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one parameter leaf's per-example norm is computed.
+
+    Attributes:
+      name: ``dense``, ``embedding``, ``direct``, or ``unused`` (no gradient).
+      sites: The sites its gradient comes from.
+      primitives: Their primitives, for reading.
+      flops: The per-example flops of its norm.
+    """
+
+    name: str
+    sites: tuple[int, ...]
+    primitives: tuple[str, ...]
+    flops: int
+
+
+@dataclasses.dataclass
+class Program:
+    """One example's loss, inlined, with every value's dependencies and the sites."""
+
+    n_params: int
+    n_data: int
+    eqns: list[Eqn]
+    outs: list[Atom]
+    avals: dict[int, Any]
+    leaves: dict[int, frozenset[int]]  # value -> parameter leaves its gradient reaches
+    data: dict[int, bool]  # value -> depends on the example
+    sites: list[Site]
+    rules: list[Rule]
+
+    dtypes: set[Any]  # the floating dtypes of its values
+
+    def free(self, a: Atom) -> bool:
+        """Whether ``a`` does not depend on the example."""
+        return isinstance(a, Const) or not self.data[a]
+
+
+def analyse(fun: Callable[..., Any], params: list[Any], example: list[Any]) -> Program | None:
+    """Traces ``fun(params, example) -> [value, *aux leaves]`` on one example.
+
+    ``params`` are the parameter leaves and ``example`` one example's data leaves (arrays
+    or ``ShapeDtypeStruct``), both flat lists. None where the loss does not depend on
+    the example (the ghost norms have nothing to read).
+    """
+    closed = jax.make_jaxpr(fun)(params, example)
+    program = _inline(closed, len(params), len(example))
+    value = program.outs[0]
+    if program.free(value):
+        return None
+    _find_sites(program)
+    program.rules.extend(_rule(program, leaf) for leaf in range(len(params)))
+    return program
+
+
+def _inline(closed: ClosedJaxpr, n_params: int, n_data: int) -> Program:
+    """The program flat: inlined calls, values named by integers, labelled as they come."""
+    program = Program(n_params, n_data, [], [], {}, {}, {}, [], [], _programs.float_dtypes(closed))
+    counter = iter(range(1 << 62))
+
+    def new(aval: Any, leaves: frozenset[int], data: bool) -> int:
+        key = next(counter)
+        program.avals[key] = aval
+        gradient = jnp.issubdtype(getattr(aval, "dtype", np.int32), jnp.inexact)
+        program.leaves[key] = leaves if gradient else frozenset()
+        program.data[key] = data
+        return key
+
+    def walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Atom]) -> list[Atom]:
+        env: dict[Any, Atom] = {v: Const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(v: Any) -> Atom:
+            return Const(v.val) if isinstance(v, Literal) else env[v]
+
+        for e in jaxpr.eqns:
+            ins = tuple(read(v) for v in e.invars)
+            inner = _inlined_body(e)
+            if inner is not None:
+                env.update(zip(e.outvars, walk(*inner, ins), strict=True))
+                continue
+            keys = [a for a in ins if not isinstance(a, Const)]
+            leaves = frozenset().union(*(program.leaves[a] for a in keys))
+            if e.primitive.name in NO_GRADIENT:
+                leaves = frozenset()
+            data = any(program.data[a] for a in keys)
+            outs = tuple(new(v.aval, leaves, data) for v in e.outvars)
+            env.update(zip(e.outvars, outs, strict=True))
+            program.eqns.append(Eqn(e.primitive, dict(e.params), e.ctx, ins, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    inputs: list[Atom] = [
+        new(v.aval, frozenset({i}) if i < n_params else frozenset(), i >= n_params)
+        for i, v in enumerate(closed.jaxpr.invars)
+    ]
+    program.outs.extend(walk(closed.jaxpr, closed.consts, inputs))
+    return program
+
+
+def _inlined_body(e: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
+    if e.primitive.name not in INLINED:
+        return None
+    body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
+    if isinstance(body, ClosedJaxpr):
+        return body.jaxpr, body.consts
+    if isinstance(body, Jaxpr) and not body.constvars:
+        return body, ()
+    return None
+
+
+def _find_sites(program: Program) -> None:
+    for index, e in enumerate(program.eqns):
+        keys = [(p, a) for p, a in enumerate(e.ins) if not isinstance(a, Const)]
+        free = tuple(p for p, a in keys if not program.data[a] and program.leaves[a])
+        data = tuple(p for p, a in keys if program.data[a])
+        if free and data:
+            linear = e.primitive.name not in NONLINEAR_IN_COTANGENT and not any(
+                _programs.calls(inner, NONLINEAR_IN_COTANGENT) for inner in _bodies(e)
+            )
+            program.sites.append(Site(index, free, data, linear))
+
+
+def _bodies(e: Eqn) -> Iterator[ClosedJaxpr]:
+    for value in e.params.values():
+        for inner in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(inner, ClosedJaxpr):
+                yield inner
+            elif isinstance(inner, Jaxpr):
+                yield ClosedJaxpr(inner, ())
+
+
+def _rule(program: Program, leaf: int) -> Rule:
+    """The cheapest exact rule for ``leaf``."""
+    reached = tuple(
+        k
+        for k, s in enumerate(program.sites)
+        if any(leaf in program.leaves[_key(program, s, p)] for p in s.free)
+    )
+    size = math.prod(program.avals[leaf].shape)
+    if not reached or size == 0:
+        return Rule("unused", (), (), 0)
+    names = tuple(program.eqns[program.sites[k].eqn].primitive.name for k in reached)
+    direct = Rule("direct", reached, names, size)
+    if len(reached) > 1 or jnp.issubdtype(program.avals[leaf].dtype, jnp.complexfloating):
+        return direct
+    site = program.sites[min(reached)]
+    if len(site.free) != 1 or _chain_end(program, leaf) != _key(program, site, site.free[0]):
+        return direct
+    cost = _gram_cost(program, site)
+    if cost is None:
+        return direct
+    name, flops = cost
+    return Rule(name, reached, names, flops)
+
+
+def _key(program: Program, site: Site, position: int) -> int:
+    a = program.eqns[site.eqn].ins[position]
+    assert not isinstance(a, Const)
+    return a
+
+
+def _chain_end(program: Program, leaf: int) -> int | None:
+    """The value that ``leaf`` reaches through single-use, shape-only steps."""
+    uses: dict[int, list[tuple[int, int]]] = {}
+    for i, e in enumerate(program.eqns):
+        for p, a in enumerate(e.ins):
+            if not isinstance(a, Const):
+                uses.setdefault(a, []).append((i, p))
+    key = leaf
+    while True:
+        here = uses.get(key, [])
+        if len(here) != 1:
+            return None
+        e = program.eqns[here[0][0]]
+        if program.data[e.outs[0]]:
+            return key
+        same = e.primitive.name == "convert_element_type" and (
+            program.avals[e.outs[0]].dtype == program.avals[key].dtype
+        )
+        if e.primitive.name not in SHAPE_ONLY and not same:
+            return None
+        key = e.outs[0]
+
+
+def _gram_cost(program: Program, site: Site) -> tuple[str, int] | None:
+    """``(rule, flops per example)`` where ``site`` has a Gram form, else None."""
+    e = program.eqns[site.eqn]
+    name = e.primitive.name
+    if name == "dot_general" and site.data == (1 - site.free[0],):
+        h, t, k, n = _dense_dims(program, e, site.free[0])
+        return "dense", min(h * t * t * (k + n), h * t * k * n)
+    if name == "gather" and site.free == (0,) and _is_row_gather(program, e):
+        rows, width = program.avals[_key(program, site, 0)].shape
+        t = math.prod(program.avals[e.outs[0]].shape) // max(width, 1)
+        return "embedding", min(t * t * width, t * width + rows * width)
+    return None
+
+
+def _dense_dims(program: Program, e: Eqn, free: int) -> tuple[int, int, int, int]:
+    """``(H, T, K, N)`` of a ``dot_general`` whose operand ``free`` is the parameter:
+    ``H`` shared batch entries, ``T`` rows of the example, ``K`` contracted, ``N`` out."""
+    (contract, batch), (x, w) = (
+        _dense_axes(e),
+        (
+            program.avals[e.ins[1 - free]].shape,  # type: ignore[index]
+            program.avals[e.ins[free]].shape,  # type: ignore[index]
+        ),
+    )
+    h = math.prod(x[d] for d in batch[1 - free])
+    k = math.prod(x[d] for d in contract[1 - free])
+    return h, math.prod(x) // max(h * k, 1), k, math.prod(w) // max(h * k, 1)
+
+
+def _dense_axes(e: Eqn) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """``((lhs, rhs) contracting, (lhs, rhs) batch)`` dimensions of a ``dot_general``."""
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def _is_row_gather(program: Program, e: Eqn) -> bool:
+    """Whether ``e`` takes whole rows of a matrix: ``table[ids]``."""
+    table, ids = (program.avals[a].shape if not isinstance(a, Const) else None for a in e.ins)
+    numbers = e.params["dimension_numbers"]
+    return (
+        table is not None
+        and ids is not None
+        and len(table) == 2
+        and len(ids) >= 1
+        and ids[-1] == 1
+        and tuple(numbers.offset_dims) == (len(ids) - 1,)
+        and tuple(numbers.collapsed_slice_dims) == (0,)
+        and tuple(numbers.start_index_map) == (0,)
+        and not numbers.operand_batching_dims
+        and tuple(e.params["slice_sizes"]) == (1, table[1])
+    )
+
+
+def _read(env: dict[int, Any], a: Atom) -> Any:
+    return a.value if isinstance(a, Const) else env[a]
+
+
+def free_values(program: Program, params: Sequence[Any]) -> dict[int, Any]:
+    """The values that do not depend on the example, from the parameter leaves."""
+    env: dict[int, Any] = dict(enumerate(params))
+    for e in program.eqns:
+        if all(program.free(a) for a in e.ins):
+            env.update(zip(e.outs, e.bind([_read(env, a) for a in e.ins]), strict=True))
+    return env
+
+
+def _floating(program: Program, keys: Sequence[int]) -> list[bool]:
+    return [jnp.issubdtype(program.avals[k].dtype, jnp.inexact) for k in keys]
+
+
+def _site_outputs(
+    program: Program, site: Site, env: dict[int, Any], inputs: Sequence[Any]
+) -> list[Any]:
+    """The floating outputs of ``site`` at the free values ``env`` and data ``inputs``."""
+    e = program.eqns[site.eqn]
+    given = dict(zip(site.data, inputs, strict=True))
+    outs = e.bind([given[p] if p in given else _read(env, a) for p, a in enumerate(e.ins)])
+    return [o for o, f in zip(outs, _floating(program, e.outs), strict=True) if f]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What one batched pass records: per example, the program's outputs, and per site
+    its data inputs and the loss's cotangents of its floating outputs."""
+
+    outs: list[Any]
+    inputs: list[list[Any]]
+    cotangents: list[list[Any]]
+
+
+def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> Recorded:
+    """The forward pass over a batch of examples (leaves stacked on axis 0), and the
+    backward pass from each example's loss to every site's outputs."""
+    env = free_values(program, params)
+    sites = {s.eqn: k for k, s in enumerate(program.sites)}
+
+    def forward(data: Sequence[Any], taps: list[list[Any]]) -> tuple[Any, Any]:
+        values = dict(env)
+        values.update(
+            zip(range(program.n_params, program.n_params + program.n_data), data, strict=True)
+        )
+        inputs: list[list[Any]] = [[] for _ in program.sites]
+        for i, e in enumerate(program.eqns):
+            if all(program.free(a) for a in e.ins):
+                continue
+            ins = [_read(values, a) for a in e.ins]
+            outs = e.bind(ins)
+            k = sites.get(i)
+            if k is not None:
+                inputs[k] = [ins[p] for p in program.sites[k].data]
+                tapped = iter(taps[k])
+                floating = _floating(program, e.outs)
+                outs = [o + next(tapped) if f else o for o, f in zip(outs, floating, strict=True)]
+            values.update(zip(e.outs, outs, strict=True))
+        outs = [_read(values, a) for a in program.outs]
+        return outs[0], (outs, inputs)
+
+    def one(data: Sequence[Any]) -> tuple[Any, Any, Any]:
+        taps = [
+            [
+                _zeros(program.avals[o])
+                for o, f in zip(
+                    program.eqns[s.eqn].outs,
+                    _floating(program, program.eqns[s.eqn].outs),
+                    strict=True,
+                )
+                if f
+            ]
+            for s in program.sites
+        ]
+        value, pull, (outs, inputs) = jax.vjp(lambda t: forward(data, t), taps, has_aux=True)
+        (cotangents,) = pull(jnp.ones_like(value))
+        return outs, inputs, cotangents
+
+    return Recorded(*jax.vmap(one)(list(example)))
+
+
+def _zeros(aval: Any) -> jax.Array:
+    """Zeros of ``aval``'s type, varying over the same manual mesh axes (``shard_map``):
+    the cotangent of a tap that did not vary would be summed over those axes."""
+    zeros = jnp.zeros(aval.shape, aval.dtype)
+    manual = getattr(aval, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(manual, "varying", ())))
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
+def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.Array:
+    """Each example's gradient norm of each parameter leaf, ``(examples, leaves)``."""
+    rows = jnp.shape(program_value(seen))[0]
+    columns: list[jax.Array] = [jnp.zeros((rows,), jnp.float32)] * program.n_params
+    for leaf, rule in enumerate(program.rules):
+        if rule.name in ("dense", "embedding"):
+            k = rule.sites[0]
+            norm = _dense_norm if rule.name == "dense" else _embedding_norm
+            site = program.sites[k]
+            columns[leaf] = jax.vmap(lambda a, g, s=site, f=norm: f(program, s, a, g))(
+                seen.inputs[k], seen.cotangents[k]
+            )
+    direct = [leaf for leaf, r in enumerate(program.rules) if r.name == "direct"]
+    if direct:
+        for leaf, norms in zip(direct, _direct_norms(program, params, seen, direct), strict=True):
+            columns[leaf] = norms
+    wide = jnp.result_type(*columns) if columns else jnp.float32
+    return jnp.stack([c.astype(wide) for c in columns], axis=1) if columns else jnp.zeros((rows, 0))
+
+
+def program_value(seen: Recorded) -> Any:
+    return seen.outs[0]
+
+
+def _direct_sites(program: Program, leaves: Sequence[int]) -> list[int]:
+    return sorted({k for leaf in leaves for k in program.rules[leaf].sites})
+
+
+def _per_example_grads(
+    program: Program, params: Sequence[Any], leaves: Sequence[int], sites: Sequence[int]
+) -> Callable[[Any, Any], list[Any]]:
+    """One example's gradients of ``leaves`` from the products at ``sites``."""
+
+    def grads(inputs: Sequence[Any], cotangents: Sequence[Any]) -> list[Any]:
+        def outs_of(values: Sequence[Any]) -> list[Any]:
+            full = list(params)
+            for leaf, v in zip(leaves, values, strict=True):
+                full[leaf] = v
+            env = free_values(program, full)
+            return [
+                _site_outputs(program, program.sites[k], env, a)
+                for k, a in zip(sites, inputs, strict=True)
+            ]
+
+        _, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
+        return pull(list(cotangents))[0]
+
+    return grads
+
+
+def _chunk(program: Program, leaves: Sequence[int]) -> int:
+    size = sum(
+        math.prod(program.avals[leaf].shape) * program.avals[leaf].dtype.itemsize for leaf in leaves
+    )
+    return max(1, CHUNK_BYTES // max(size, 1))
+
+
+def _direct_norms(
+    program: Program, params: Sequence[Any], seen: Recorded, leaves: Sequence[int]
+) -> list[jax.Array]:
+    sites = _direct_sites(program, leaves)
+    grads = _per_example_grads(program, params, leaves, sites)
+
+    def norms(pair: Any) -> list[jax.Array]:
+        return [_clipping.norm(g) for g in grads(*pair)]
+
+    xs = ([seen.inputs[k] for k in sites], [seen.cotangents[k] for k in sites])
+    return jax.lax.map(norms, xs, batch_size=_chunk(program, leaves))
+
+
+def clipped_sum(
+    program: Program,
+    params: Sequence[Any],
+    seen: Recorded,
+    scale: jax.Array,
+    groups: Sequence[int],
+    clean: bool,
+) -> list[Any]:
+    """``sum_b scale[b, groups[leaf]] * g_b`` for every leaf: one product per site at
+    the scaled cotangents (book-keeping). With ``clean``, rows of scale 0 contribute
+    exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``)."""
+    total: list[Any] = [jnp.zeros_like(p) for p in params]
+    keep = scale != 0 if clean else jnp.ones(scale.shape, bool)
+    for group in sorted(set(groups)):
+        leaves = [leaf for leaf, g in enumerate(groups) if g == group]
+        factor, kept = scale[:, group], keep[:, group]
+        reached = _direct_sites(program, leaves) + [
+            k
+            for leaf in leaves
+            if program.rules[leaf].name != "direct"
+            for k in program.rules[leaf].sites
+        ]
+        reached = sorted(set(reached))
+        linear = [k for k in reached if program.sites[k].linear]
+        other = [k for k in reached if not program.sites[k].linear]
+        for leaf, g in zip(
+            leaves,
+            _scaled_products(program, params, seen, leaves, linear, factor, kept, clean),
+            strict=True,
+        ):
+            total[leaf] = total[leaf] + g
+        if other:
+            grads = _per_example_grads(program, params, leaves, other)
+            xs = (
+                [_zero_rows(seen.inputs[k], kept) for k in other],
+                [_zero_rows(seen.cotangents[k], kept) for k in other],
+            )
+            each = jax.lax.map(
+                lambda pair, f=grads: f(*pair), xs, batch_size=_chunk(program, leaves)
+            )
+            for leaf, g in zip(leaves, each, strict=True):
+                w = jnp.where(kept, factor, 0).astype(g.dtype)
+                total[leaf] = total[leaf] + jnp.tensordot(w, jnp.where(_rows(kept, g), g, 0), 1)
+    return total
+
+
+def _rows(keep: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.reshape(keep, keep.shape + (1,) * (jnp.ndim(x) - 1))
+
+
+def _zero_rows(values: Sequence[Any], keep: jax.Array) -> list[Any]:
+    return [jnp.where(_rows(keep, v), v, jnp.zeros((), v.dtype)) for v in values]
+
+
+def _scaled_products(
+    program: Program,
+    params: Sequence[Any],
+    seen: Recorded,
+    leaves: Sequence[int],
+    sites: Sequence[int],
+    factor: jax.Array,
+    keep: jax.Array,
+    clean: bool,
+) -> list[Any]:
+    if not sites:
+        return [jnp.zeros_like(params[leaf]) for leaf in leaves]
+
+    def outs_of(values: Sequence[Any]) -> list[Any]:
+        full = list(params)
+        for leaf, v in zip(leaves, values, strict=True):
+            full[leaf] = v
+        env = free_values(program, full)
+        return [
+            jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(
+                _zero_rows(seen.inputs[k], keep) if clean else seen.inputs[k]
+            )
+            for k in sites
+        ]
+
+    _, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
+
+    def scaled(g: jax.Array) -> jax.Array:
+        g = g * _rows(factor, g).astype(g.dtype)
+        return jnp.where(_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
+
+    cotangents = [[scaled(g) for g in seen.cotangents[k]] for k in sites]
+    return pull(cotangents)[0]
+
+
+def _scaled(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x / m, m)`` with ``m = max |x|`` in at least float32; ``x`` is divided by 1
+    where ``m`` is 0 or not finite, and ``m`` is returned as it is."""
+    wide = jnp.promote_types(jnp.result_type(x), jnp.float32)
+    x = x.astype(wide)
+    m = jnp.max(jnp.abs(x), initial=0.0)
+    safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0).astype(m.dtype)
+    root = jnp.sqrt(safe)
+    return x / root / root, jnp.where(m > 0, m, 0.0).astype(m.dtype)
+
+
+def _from_gram(gram: jax.Array, *scales: jax.Array) -> jax.Array:
+    """The norm from a Gram sum of rows divided by their largest magnitudes ``scales``;
+    ``inf`` or NaN where a scale (the largest magnitude itself) is."""
+    norm = jnp.sqrt(jnp.maximum(gram, 0))
+    bad = jnp.zeros((), norm.dtype)
+    for scale in scales:
+        norm = norm * scale
+        bad = bad + jnp.where(jnp.isfinite(scale), 0, scale)
+    return norm + bad
+
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _dense_norm(
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
+) -> jax.Array:
+    """One example's norm of ``x^T g`` at a ``dot_general`` site (Gram or direct)."""
+    e = program.eqns[site.eqn]
+    free = site.free[0]
+    (x,), (g,) = inputs, cotangents
+    (contract, batch) = _dense_axes(e)
+    xc, xb = contract[1 - free], batch[1 - free]
+    xf = tuple(d for d in range(x.ndim) if d not in xc and d not in xb)
+    nb = len(xb)
+    wf = len(program.avals[e.ins[free]].shape) - len(contract[free]) - len(batch[free])  # type: ignore[index]
+    if free == 1:
+        gx, gw = tuple(range(nb, nb + len(xf))), tuple(range(nb + len(xf), nb + len(xf) + wf))
+    else:
+        gw, gx = tuple(range(nb, nb + wf)), tuple(range(nb + wf, nb + wf + len(xf)))
+    h, t, k, n = _dense_dims(program, e, free)
+    xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k)
+    gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n)
+    if t == 1:
+        return _clipping.norm(xs) * _clipping.norm(gs)
+    xs, mx = _scaled(xs)
+    gs, mg = _scaled(gs)
+    if t * t * (k + n) <= t * k * n:
+        xx = jnp.einsum("htk,hsk->hts", xs, xs, precision=HIGHEST)
+        gg = jnp.einsum("htn,hsn->hts", gs, gs, precision=HIGHEST)
+        gram = jnp.sum(xx * gg)
+    else:
+        gram = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
+    return _from_gram(gram, mx, mg)
+
+
+def _embedding_norm(
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
+) -> jax.Array:
+    """One example's norm of the scattered rows at a row gather ``table[ids]``."""
+    e = program.eqns[site.eqn]
+    (ids,), (g,) = inputs, cotangents
+    rows, width = program.avals[e.ins[0]].shape  # type: ignore[index]
+    ids = ids.reshape(-1)
+    g = g.reshape(ids.shape[0], width)
+    if e.params["mode"] != jax.lax.GatherScatterMode.CLIP:  # the scatter drops them
+        g = jnp.where(((ids >= 0) & (ids < rows))[:, None], g, jnp.zeros((), g.dtype))
+    ids = jnp.clip(ids, 0, rows - 1)
+    gs, mg = _scaled(g)
+    t = ids.shape[0]
+    if t * t <= rows:
+        same = ids[:, None] == ids[None, :]
+        gram = jnp.sum(jnp.where(same, jnp.einsum("td,sd->ts", gs, gs, precision=HIGHEST), 0))
+    else:
+        gram = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
+    return _from_gram(gram, mg)

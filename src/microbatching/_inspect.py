@@ -1,0 +1,124 @@
+"""``clipping_report``: how ``micro_grad`` computes a call's clipped sum and norms, and
+by which rule each parameter leaf's per-example norm comes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._signature import OPTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRule:
+    """How one parameter leaf's per-example gradient norm is computed.
+
+    Attributes:
+      path: The leaf in the differentiated arguments, e.g. ``[0]['dense']['kernel']``.
+      shape: Its shape.
+      rule: ``dense`` or ``embedding`` (from the activations and output cotangents of its
+        one site, never forming its gradient), ``direct`` (its own per-example gradient,
+        a chunk of examples at a time), ``unused`` (no gradient), or ``per-example`` (the
+        whole per-example gradient is formed: not the ghost method).
+      sites: The primitives where the leaf meets the data.
+      flops: Per-example flops (or entries, for ``direct``) of its norm.
+
+    >>> LeafRule("['w']", (3, 2), "dense", ("dot_general",), 12).rule
+    'dense'
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    rule: str
+    sites: tuple[str, ...]
+    flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippingReport:
+    """What ``micro_grad`` does for one call: its method, and each leaf's rule.
+
+    Attributes:
+      method: ``ghost`` (norms from the traced program, clipped sum by book-keeping),
+        ``two_pass`` (ghost norms, then the gradient of the loss weighted by the clip
+        factors), ``chunked`` (per-example gradients a chunk at a time for the norms,
+        then that weighted gradient), ``materialize`` (per-example gradients, scaled and
+        summed) or ``plain`` (no clipping and no norms: one gradient of the summed loss).
+      reason: Why, in words.
+      leaves: One ``LeafRule`` per parameter leaf.
+
+    >>> report = ClippingReport("plain", "nothing to clip", ())
+    >>> report.coverage()
+    {}
+    """
+
+    method: str
+    reason: str
+    leaves: tuple[LeafRule, ...]
+
+    def coverage(self) -> dict[str, float]:
+        """The fraction of the parameters' entries that each rule covers."""
+        total = sum(math.prod(leaf.shape) for leaf in self.leaves)
+        out: dict[str, float] = {}
+        for leaf in self.leaves:
+            out[leaf.rule] = out.get(leaf.rule, 0.0) + math.prod(leaf.shape) / max(total, 1)
+        return out
+
+    def __str__(self) -> str:
+        head = f"method: {self.method} ({self.reason})"
+        share = ", ".join(f"{rule} {100 * f:.1f}%" for rule, f in self.coverage().items())
+        rows = [
+            f"  {leaf.path:<40} {leaf.shape!s:<16} {leaf.rule:<10} {'+'.join(leaf.sites)}"
+            for leaf in self.leaves
+        ]
+        return "\n".join([head, f"coverage of parameters: {share}", *rows])
+
+
+def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ClippingReport:
+    """Says how a ``micro_grad`` function computes a call, without running it.
+
+    The call is traced on the arguments' shapes (arrays or ``jax.ShapeDtypeStruct``):
+    which method computes the clipped sum and the norms, and by which rule each
+    parameter leaf's per-example norm comes.
+
+    Args:
+      grad_fn: A function returned by ``micro_grad``.
+      *args: Its positional arguments, as for a call.
+      **kwargs: Its keyword arguments, as for a call.
+
+    Returns:
+      A ``ClippingReport``; ``print`` it for a table.
+
+    Raises:
+      TypeError: If ``grad_fn`` was not made by ``micro_grad``.
+
+    >>> import jax.numpy as jnp
+    >>> import microbatching
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w["kernel"] + w["bias"]))
+    >>> grad_fn = microbatching.micro_grad(loss, l2_clip_norm=1.0)
+    >>> params = {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}
+    >>> report = microbatching.clipping_report(grad_fn, params, jnp.ones((8, 3)))
+    >>> report.method
+    'ghost'
+    >>> [(leaf.path, leaf.rule) for leaf in report.leaves]
+    [("['bias']", 'direct'), ("['kernel']", 'dense')]
+    """
+    options = getattr(grad_fn, OPTIONS, None)
+    describe = getattr(options, "describe", None)
+    if describe is None:
+        raise TypeError(
+            f"clipping_report needs a function returned by micro_grad, got {grad_fn!r}; "
+            "pass micro_grad(loss, ...) itself, not a jitted or transformed copy."
+        )
+    found: list[ClippingReport] = []
+
+    def trace(args: Any, kwargs: Any) -> int:
+        found.append(describe(args, kwargs))
+        return 0
+
+    jax.eval_shape(trace, args, kwargs)
+    return found[0]

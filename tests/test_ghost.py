@@ -1,0 +1,951 @@
+"""Ghost norms: per-example gradient norms (``metrics_fn=l2_norm``) and clipped sums
+(``l2_clip_norm``) read off the traced loss, against per-example gradients from
+``jax.vmap(jax.grad(loss))``, clipped, weighted and summed by hand."""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import microbatching
+from microbatching import AccumulationType, micro_grad
+
+from .strategies import assert_close
+
+BATCH = 8
+MICROBATCH = 4
+TERMS = BATCH // MICROBATCH
+CLIP = 5.0
+"""A bound that clips about half of the examples of ``mlp`` (gradient norms 1.5 to 9.5)."""
+
+
+def normal(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loss ``loss(params, *batch)`` of one example, its parameters and a batch (rows on
+    axis 0). With ``keep_batch_dim`` the loss sees each example as a batch of one.
+    ``rules``: the rule ``clipping_report`` should give each leaf path, where pinned."""
+
+    loss: Callable[..., Any]
+    params: Any
+    batch: tuple[Any, ...]
+    keep_batch_dim: bool = False
+    rules: dict[str, str] | None = None
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+def dense_layer(p: Any, h: jax.Array) -> jax.Array:
+    bias = p["bias"] if h.ndim == 1 else p["bias"][None]
+    return h @ p["kernel"] + bias
+
+
+def mlp(batch: int = BATCH) -> Model:
+    rng = np.random.default_rng(0)
+    params = {
+        "dense1": {"kernel": normal(rng, 5, 16, scale=0.5), "bias": normal(rng, 16, scale=0.1)},
+        "dense2": {"kernel": normal(rng, 16, 3, scale=0.3), "bias": normal(rng, 3, scale=0.1)},
+    }
+
+    def loss(p, x, y):
+        return jnp.mean((dense_layer(p["dense2"], jnp.tanh(dense_layer(p["dense1"], x))) - y) ** 2)
+
+    rules = {
+        "['dense1']['bias']": "direct",
+        "['dense1']['kernel']": "dense",
+        "['dense2']['bias']": "direct",
+        "['dense2']['kernel']": "dense",
+    }
+    return Model(loss, params, (normal(rng, batch, 5), normal(rng, batch, 3)), True, rules)
+
+
+def conv() -> Model:
+    """A strided convolution with two feature groups, then a dilated one."""
+    rng = np.random.default_rng(1)
+    params = {
+        "conv1": normal(rng, 3, 3, 2, 8, scale=0.3),  # HWIO, 4 input features in 2 groups
+        "bias1": normal(rng, 8, scale=0.1),
+        "conv2": normal(rng, 2, 2, 8, 4, scale=0.3),
+        "out": normal(rng, 4, 2, scale=0.5),
+    }
+    numbers = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, x, y):
+        h = jax.lax.conv_general_dilated(
+            x,
+            p["conv1"],
+            window_strides=(2, 2),
+            padding="SAME",
+            dimension_numbers=numbers,
+            feature_group_count=2,
+        )
+        h = jnp.tanh(h + p["bias1"][None, None, None])
+        h = jax.lax.conv_general_dilated(
+            h, p["conv2"], (1, 1), "VALID", rhs_dilation=(2, 2), dimension_numbers=numbers
+        )
+        return jnp.mean((jnp.mean(jnp.tanh(h), axis=(1, 2)) @ p["out"] - y) ** 2)
+
+    rules = {
+        "['bias1']": "direct",
+        "['conv1']": "direct",
+        "['conv2']": "direct",
+        "['out']": "dense",
+    }
+    return Model(loss, params, (normal(rng, BATCH, 9, 9, 4), normal(rng, BATCH, 2)), True, rules)
+
+
+def embedding(vocab: int) -> Model:
+    """A gather of 6 rows from a table, each sequence repeating some of 3 distinct ids."""
+    rng = np.random.default_rng(2)
+    params = {"table": normal(rng, vocab, 4), "w": normal(rng, 4)}
+    ids = jnp.asarray(rng.integers(0, 3, size=(BATCH, 6)), jnp.int32)
+
+    def loss(p, ids, y):
+        return jnp.mean((jnp.tanh(p["table"][ids]) @ p["w"] - y) ** 2)
+
+    rules = {"['table']": "embedding", "['w']": "dense"}
+    return Model(loss, params, (ids, normal(rng, BATCH, 6)), False, rules)
+
+
+def tied_embedding() -> Model:
+    """One matrix as the gather table and as the output projection ``h @ E.T``."""
+    rng = np.random.default_rng(3)
+    params = {"embed": normal(rng, 7, 4), "w": normal(rng, 4, 4, scale=0.5)}
+    ids = jnp.asarray(rng.integers(0, 7, size=(BATCH, 5)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, 7, size=(BATCH, 5)), jnp.int32)
+
+    def loss(p, ids, targets):
+        h = jnp.tanh(p["embed"][ids] @ p["w"])
+        logits = jax.nn.log_softmax(h @ p["embed"].T)
+        return -jnp.mean(jnp.take_along_axis(logits, targets[:, None], axis=1))
+
+    rules = {"['embed']": "direct", "['w']": "dense"}
+    return Model(loss, params, (ids, targets), False, rules)
+
+
+def layer_norm(p: Any, h: jax.Array) -> jax.Array:
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean((h - mean) ** 2, axis=-1, keepdims=True)
+    return (h - mean) / jnp.sqrt(var + 1e-5) * p["scale"][None] + p["bias"][None]
+
+
+def attention_block(p: Any, h: jax.Array) -> jax.Array:
+    """Single-head self-attention over ``(T, D)``, pre-layer-norm, with a residual."""
+    n = layer_norm(p["norm"], h)
+    q, k, v = n @ p["query"], n @ p["key"], n @ p["value"]
+    weights = jax.nn.softmax(q @ k.T / math.sqrt(h.shape[-1]), axis=-1)
+    return h + (weights @ v) @ p["out"]
+
+
+def attention_params(rng: np.random.Generator, width: int) -> dict[str, Any]:
+    return {
+        "norm": {"scale": 1 + normal(rng, width, scale=0.1), "bias": normal(rng, width, scale=0.1)},
+        **{name: normal(rng, width, width, scale=0.4) for name in ("query", "key", "value", "out")},
+    }
+
+
+ATTENTION_RULES = {
+    "['norm']['bias']": "direct",
+    "['norm']['scale']": "direct",
+    "['query']": "dense",
+    "['key']": "dense",
+    "['value']": "dense",
+    "['out']": "dense",
+}
+
+
+def attention() -> Model:
+    rng = np.random.default_rng(4)
+
+    def loss(p, x, y):
+        return jnp.mean((attention_block(p, x) - y) ** 2)
+
+    batch = (normal(rng, BATCH, 5, 6), normal(rng, BATCH, 5, 6))
+    return Model(loss, attention_params(rng, 6), batch, False, ATTENTION_RULES)
+
+
+def scan() -> Model:
+    """``lax.scan`` over three stacked layers."""
+    rng = np.random.default_rng(5)
+    params = {"kernel": normal(rng, 3, 6, 6, scale=0.4), "bias": normal(rng, 3, 6, scale=0.1)}
+
+    def loss(p, x, y):
+        def layer(h, kb):
+            return jnp.tanh(h @ kb[0] + kb[1]), None
+
+        h, _ = jax.lax.scan(layer, x, (p["kernel"], p["bias"]))
+        return jnp.mean((h - y) ** 2)
+
+    rules = {"['bias']": "direct", "['kernel']": "direct"}
+    return Model(loss, params, (normal(rng, BATCH, 6), normal(rng, BATCH, 6)), False, rules)
+
+
+def checkpoint() -> Model:
+    base = mlp()
+
+    def loss(p, x, y):
+        h = jax.checkpoint(lambda q, x: jnp.tanh(dense_layer(q, x)))(p["dense1"], x)
+        return jnp.mean((dense_layer(p["dense2"], h) - y) ** 2)
+
+    return dataclasses.replace(base, loss=loss)
+
+
+@jax.custom_vjp
+def clip_cotangent(h: jax.Array) -> jax.Array:
+    """The identity, whose backward pass clips the cotangent to [-0.05, 0.05]."""
+    return h
+
+
+clip_cotangent.defvjp(lambda h: (h, None), lambda _, g: (jnp.clip(g, -0.05, 0.05),))
+
+
+@jax.custom_vjp
+def scale_by(w: jax.Array, h: jax.Array) -> jax.Array:
+    """``h * w``, whose backward pass clips the cotangent to [-0.05, 0.05]."""
+    return h * w
+
+
+def _scale_by_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    w, h = res
+    g = jnp.clip(g, -0.05, 0.05)
+    return g * h, g * w
+
+
+scale_by.defvjp(lambda w, h: (h * w, (w, h)), _scale_by_bwd)
+
+
+def custom_vjp_on_activations(op: Callable[[jax.Array], jax.Array] = clip_cotangent) -> Model:
+    base = mlp()
+
+    def loss(p, x, y):
+        h = op(jnp.tanh(dense_layer(p["dense1"], x)))
+        return jnp.mean((dense_layer(p["dense2"], h) - y) ** 2)
+
+    return dataclasses.replace(base, loss=loss, keep_batch_dim=False)
+
+
+def custom_vjp_on_a_parameter(op: Callable[..., jax.Array] = scale_by) -> Model:
+    rng = np.random.default_rng(6)
+    base = mlp()
+    params = {**base.params, "gate": 1 + normal(rng, 16, scale=0.2)}
+
+    def loss(p, x, y):
+        h = op(p["gate"], jnp.tanh(dense_layer(p["dense1"], x)))
+        return jnp.mean((dense_layer(p["dense2"], h) - y) ** 2)
+
+    rules = {**(base.rules or {}), "['gate']": "direct"}
+    return Model(loss, params, base.batch, False, rules)
+
+
+def cond() -> Model:
+    """``lax.cond`` on the example, one branch scaled by a parameter."""
+    rng = np.random.default_rng(7)
+    params = {
+        "a": normal(rng, 5, 3, scale=0.5),
+        "b": normal(rng, 5, 3, scale=0.5),
+        "s": 1 + normal(rng, 3),
+    }
+
+    def loss(p, x, y):
+        h = jax.lax.cond(
+            x[0] > 0,
+            lambda x: jnp.tanh(x @ p["a"]),
+            lambda x: jnp.sin(x @ p["b"]) * p["s"],
+            x,
+        )
+        return jnp.mean((h - y) ** 2)
+
+    x = normal(rng, BATCH, 5).at[:, 0].set(jnp.asarray([1.0, -1.0] * (BATCH // 2)))
+    rules = {"['a']": "direct", "['b']": "direct", "['s']": "direct"}
+    return Model(loss, params, (x, normal(rng, BATCH, 3)), False, rules)
+
+
+def regularized() -> Model:
+    """A kernel in a dot and in an L2 regulariser."""
+    base = mlp()
+
+    def loss(p, x, y):
+        return base.loss(p, x, y) + 0.01 * jnp.sum(p["dense1"]["kernel"] ** 2)
+
+    rules = {**(base.rules or {}), "['dense1']['kernel']": "direct"}
+    return dataclasses.replace(base, loss=loss, rules=rules)
+
+
+def stop_gradient() -> Model:
+    """A leaf that reaches the loss only through ``stop_gradient``: gradient 0."""
+    base = mlp()
+    params = {**base.params, "frozen": jnp.full((3,), 0.5, jnp.float32)}
+
+    def loss(p, x, y):
+        return base.loss(p, x, y) + jnp.sum(x) * jnp.sum(jax.lax.stop_gradient(p["frozen"]))
+
+    return Model(loss, params, base.batch, True, {**(base.rules or {}), "['frozen']": "unused"})
+
+
+def zero_size() -> Model:
+    """A leaf of shape (0, 3), multiplied by the example's first 0 features."""
+    base = mlp()
+    params = {**base.params, "empty": jnp.zeros((0, 3), jnp.float32)}
+
+    def loss(p, x, y):
+        return base.loss(p, x, y) + jnp.sum(x[:, :0] @ p["empty"])
+
+    return Model(loss, params, base.batch, True, {**(base.rules or {}), "['empty']": "unused"})
+
+
+def complex_params() -> Model:
+    """A complex kernel under a real loss (``jax.grad`` supports it; the norm is of the
+    complex gradient's magnitudes)."""
+    rng = np.random.default_rng(8)
+    kernel = jnp.asarray(rng.normal(size=(5, 4)) + 1j * rng.normal(size=(5, 4)), jnp.complex64)
+    params = {"kernel": kernel * 0.5, "out": normal(rng, 4)}
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.abs(x @ p["kernel"]) @ p["out"] - y) ** 2)
+
+    rules = {"['kernel']": "direct", "['out']": "dense"}
+    return Model(loss, params, (normal(rng, BATCH, 5), normal(rng, BATCH)), False, rules)
+
+
+def flax_nnx() -> Model:
+    nnx = pytest.importorskip("flax.nnx")
+    rng = np.random.default_rng(9)
+    module = nnx.Sequential(
+        nnx.Linear(5, 8, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(8, 3, rngs=nnx.Rngs(1))
+    )
+    graph, state = nnx.split(module)
+
+    def loss(state, x, y):
+        return jnp.mean((nnx.merge(graph, state)(x) - y) ** 2)
+
+    return Model(loss, state, (normal(rng, BATCH, 5), normal(rng, BATCH, 3)), True)
+
+
+MODELS: dict[str, Callable[[], Model]] = {
+    "mlp": mlp,
+    "conv": conv,
+    "embedding, table smaller than T**2": lambda: embedding(5),
+    "embedding, table larger than T**2": lambda: embedding(40),
+    "tied embedding": tied_embedding,
+    "attention with layer norm": attention,
+    "scan": scan,
+    "checkpoint": checkpoint,
+    "custom_vjp on activations": custom_vjp_on_activations,
+    "custom_vjp on a parameter": custom_vjp_on_a_parameter,
+    "cond": cond,
+    "kernel in a dot and a regulariser": regularized,
+    "stop_gradient": stop_gradient,
+    "zero-size leaf": zero_size,
+    "complex": complex_params,
+    "flax nnx": flax_nnx,
+}
+
+
+# --- the reference -------------------------------------------------------------------------
+
+
+def example_args(model: Model, example: tuple[Any, ...]) -> tuple[Any, ...]:
+    return jax.tree.map(lambda a: a[None], example) if model.keep_batch_dim else example
+
+
+def per_example_grads(model: Model, params: Any = None) -> Any:
+    """``jax.grad`` of each example's loss, stacked on axis 0."""
+    params = model.params if params is None else params
+
+    def one(*example):
+        return jax.grad(model.loss)(params, *example_args(model, example))
+
+    return jax.jit(jax.vmap(one))(*model.batch)
+
+
+def per_example_values(model: Model) -> jax.Array:
+    def one(*example):
+        return model.loss(model.params, *example_args(model, example))
+
+    return jax.jit(jax.vmap(one))(*model.batch)
+
+
+@jax.jit
+def norms(grads: Any) -> jax.Array:
+    """Each row's L2 norm over all leaves of stacked gradients."""
+    leaves = jax.tree.leaves(grads)
+    rows = leaves[0].shape[0]
+    squares = [jnp.sum(jnp.abs(g.reshape(rows, math.prod(g.shape[1:]))) ** 2, 1) for g in leaves]
+    return jnp.sqrt(sum(squares))
+
+
+@functools.partial(jax.jit, static_argnames=("unit", "normalize_by", "nan_safe"))
+def clipped_sum(
+    grads: Any,
+    clip: Any,
+    weights: Any = None,
+    *,
+    unit: bool = False,
+    normalize_by: float = 1.0,
+    nan_safe: bool = False,
+) -> Any:
+    """``sum_b w_b s_b g_b / normalize_by`` with ``s_b = min(1, C / ||g_b||)`` (``/ C`` if
+    ``unit``), each subtree of ``grads`` by its own bound where ``clip`` is a pytree; rows
+    of weight 0 (and, with ``nan_safe``, of a non-finite norm) left out."""
+    rows = jax.tree.leaves(grads)[0].shape[0]
+    w = jnp.ones(rows) if weights is None else jnp.asarray(weights, jnp.float32)
+    keep = w != 0
+    if nan_safe:
+        keep = keep & jnp.isfinite(norms(grads))
+
+    def group(bound: Any, sub: Any) -> Any:
+        s = jnp.minimum(1.0, bound / norms(sub)) * w / normalize_by
+        s = s / bound if unit else s
+
+        def total(g: jax.Array) -> jax.Array:
+            shape = (rows,) + (1,) * (g.ndim - 1)
+            terms = g * jnp.reshape(s, shape).astype(g.dtype)
+            return jnp.sum(jnp.where(jnp.reshape(keep, shape), terms, 0), axis=0)
+
+        return jax.tree.map(total, sub)
+
+    return jax.tree.map(group, clip, grads)
+
+
+def grad_fn(model: Model, **options: Any) -> Callable[..., Any]:
+    options = {"microbatch_size": MICROBATCH, **options}
+    batch_argnums = tuple(range(1, 1 + len(model.batch)))
+    return micro_grad(
+        model.loss, batch_argnums=batch_argnums, keep_batch_dim=model.keep_batch_dim, **options
+    )
+
+
+def median_norm(grads: Any) -> float:
+    """A bound that clips about half of the examples."""
+    return float(np.median(np.asarray(norms(grads))))
+
+
+# --- 1. every model family ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_norms_and_clipped_sum_by_the_ghost_method(name):
+    model = MODELS[name]()
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, metrics_fn=microbatching.l2_norm)
+
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "ghost", str(report)
+    if model.rules is not None:
+        assert {leaf.path: leaf.rule for leaf in report.leaves} == model.rules, str(report)
+
+    got, aux = fn(model.params, *model.batch)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(aux.values, per_example_values(model))
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+
+
+@pytest.mark.parametrize(
+    "model, plain",
+    [
+        (custom_vjp_on_activations(), custom_vjp_on_activations(lambda h: h)),
+        (custom_vjp_on_a_parameter(), custom_vjp_on_a_parameter(lambda w, h: h * w)),
+    ],
+    ids=["activations", "parameter"],
+)
+def test_the_custom_vjps_clip_their_cotangents(model, plain):
+    """Else the custom VJP models would not test a backward pass that is not linear."""
+    gaps = jax.tree.map(
+        lambda a, b: jnp.max(jnp.abs(a - b)), per_example_grads(model), per_example_grads(plain)
+    )
+    assert max(float(v) for v in jax.tree.leaves(gaps)) > 1e-2
+
+
+def test_per_example_aux_by_the_ghost_method():
+    model = mlp()
+
+    def loss(p, x, y):
+        value = model.loss(p, x, y)
+        return value, {"twice": 2 * value, "x": x[0]}
+
+    fn = micro_grad(loss, has_aux=True, batch_argnums=(1, 2), l2_clip_norm=CLIP, microbatch_size=4)
+    got, aux = fn(model.params, *model.batch)
+    values = per_example_values(model)
+    assert_close(aux.aux, {"twice": 2 * values, "x": model.batch[0]})
+    assert_close(got, clipped_sum(per_example_grads(model), CLIP), terms=TERMS)
+
+
+def test_norms_without_clipping():
+    model = attention()
+    grads = per_example_grads(model)
+    fn = grad_fn(model, metrics_fn=microbatching.l2_norm)
+    assert microbatching.clipping_report(fn, model.params, *model.batch).method == "ghost"
+    got, aux = fn(model.params, *model.batch)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(got, jax.tree.map(lambda g: jnp.sum(g, axis=0), grads), terms=TERMS)
+
+
+def shapes_in(jaxpr: Any) -> set[tuple[int, ...]]:
+    """The shapes of every value of a jaxpr, its inner jaxprs included."""
+    found = {tuple(v.aval.shape) for v in jaxpr.invars if hasattr(v.aval, "shape")}
+    for eqn in jaxpr.eqns:
+        found |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found |= shapes_in(inner)
+    return found
+
+
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_ghost_method_forms_no_per_example_kernel_gradient(method):
+    """A ``dense`` kernel's gradient exists only summed over examples: nothing holds a
+    (5, 16) kernel gradient per example, as the materializing method must."""
+    model = mlp()
+    fn = grad_fn(model, l2_clip_norm=CLIP, metrics_fn=microbatching.l2_norm, clip_method=method)
+    shapes = shapes_in(jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr)
+    per_example = {s for s in shapes if s[-2:] == (5, 16) and math.prod(s) > 5 * 16}
+    assert bool(per_example) == (method == "materialize"), per_example
+
+
+# --- 2. weights, means, remainders, jit and outer derivatives --------------------------------
+
+ACCUMULATIONS = [AccumulationType.SUM, AccumulationType.MEAN]
+WEIGHTS = {
+    "none": None,
+    "float, some 0": np.asarray([0.5, 0.0, 2.0, 1.0, 0.0, 1.5, 0.25, 1.0], np.float32),
+    "bool": np.asarray([True, False, True, True, False, True, True, False]),
+}
+
+
+WEIGHTED_CASES = [  # every kind with every weighting, each jitted or not
+    (AccumulationType.SUM, "none", False),
+    (AccumulationType.SUM, "float, some 0", False),
+    (AccumulationType.SUM, "bool", True),
+    (AccumulationType.MEAN, "none", True),
+    (AccumulationType.MEAN, "float, some 0", True),
+    (AccumulationType.MEAN, "bool", False),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, weights, jit",
+    WEIGHTED_CASES,
+    ids=[f"{k.name}-{w}-{'jit' if j else 'eager'}" for k, w, j in WEIGHTED_CASES],
+)
+def test_weighted_sums_and_means(kind, weights, jit):
+    weights = WEIGHTS[weights]
+    model = mlp()
+    grads = per_example_grads(model)
+    fn = grad_fn(model, l2_clip_norm=CLIP, accumulator=kind, metrics_fn=microbatching.l2_norm)
+    fn = jax.jit(fn) if jit else fn
+    kwargs = {} if weights is None else {"example_weights": jnp.asarray(weights)}
+    got, aux = fn(model.params, *model.batch, **kwargs)
+
+    want = clipped_sum(grads, CLIP, weights)
+    if kind is AccumulationType.MEAN:
+        count = BATCH if weights is None else float(np.sum(weights.astype(np.float32)))
+        want = jax.tree.map(lambda g: g / count, want)
+    assert_close(got, want, terms=TERMS)
+    kept = np.ones(BATCH, bool) if weights is None else weights != 0
+    assert_close(aux.metrics, np.where(kept, norms(grads), 0))
+
+
+@pytest.mark.parametrize("kind", ACCUMULATIONS, ids=lambda kind: kind.name)
+def test_remainder_of_the_batch(kind):
+    model = mlp(batch=10)
+    grads = per_example_grads(model)
+    fn = grad_fn(
+        model,
+        l2_clip_norm=CLIP,
+        accumulator=kind,
+        metrics_fn=microbatching.l2_norm,
+        allow_remainder=True,
+    )
+    got, aux = fn(model.params, *model.batch)
+    want = clipped_sum(grads, CLIP)
+    if kind is AccumulationType.MEAN:
+        want = jax.tree.map(lambda g: g / 10, want)
+    assert_close(got, want, terms=3)
+    assert_close(aux.metrics, norms(grads))
+
+
+def test_skipped_microbatches():
+    """``num_real_microbatches=1`` runs microbatch 0 only: the even rows (strided)."""
+    model = mlp()
+    grads = per_example_grads(model)
+    fn = grad_fn(
+        model, l2_clip_norm=CLIP, num_real_microbatches=1, metrics_fn=microbatching.l2_norm
+    )
+    got, aux = fn(model.params, *model.batch)
+    ran = np.arange(BATCH) % 2 == 0
+    assert_close(got, clipped_sum(grads, CLIP, ran))
+    assert_close(aux.metrics, np.where(ran, norms(grads), 0))
+
+
+def probe(tree: Any) -> jax.Array:
+    """A scalar function of a gradient tree, with weights that differ between entries."""
+    terms = [
+        jnp.sum(jnp.cos(jnp.arange(g.size, dtype=g.dtype)).reshape(g.shape) * g)
+        for g in jax.tree.leaves(tree)
+    ]
+    return jnp.sum(jnp.stack(terms))
+
+
+@pytest.mark.parametrize("name", ["mlp", "tied embedding"])
+def test_derivative_of_a_function_of_the_clipped_sum(name):
+    model = MODELS[name]()
+    clip = median_norm(per_example_grads(model))
+    fn = grad_fn(model, l2_clip_norm=clip)
+
+    def ghost(params):
+        return probe(fn(params, *model.batch)[0])
+
+    def reference(params):
+        return probe(clipped_sum(per_example_grads(model, params), clip))
+
+    assert_close(
+        jax.jit(jax.grad(ghost))(model.params),
+        jax.jit(jax.grad(reference))(model.params),
+        terms=TERMS,
+        factor=4,
+    )
+
+
+def test_embedding_norms_with_an_out_of_range_id():
+    """``table[ids]`` with id 5 in a table of 5 rows: the forward pass reads row 4, but
+    jax.grad's scatter drops the id, so its row has no gradient."""
+    model = embedding(5)
+    ids, y = model.batch
+    model = dataclasses.replace(model, batch=(ids.at[:, 0].set(5), y))
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, metrics_fn=microbatching.l2_norm)
+    got, aux = fn(model.params, *model.batch)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+
+
+@pytest.mark.parametrize(
+    "axis_type, method",
+    [
+        (jax.sharding.AxisType.Auto, "auto"),
+        (jax.sharding.AxisType.Explicit, "auto"),
+        (jax.sharding.AxisType.Explicit, "materialize"),
+    ],
+    ids=["Auto-auto", "Explicit-auto", "Explicit-materialize"],
+)
+def test_norms_and_clipped_sum_on_a_mesh(axis_type, method):
+    model = mlp(batch=16)
+    grads = per_example_grads(model)
+    fn = grad_fn(
+        model,
+        l2_clip_norm=CLIP,
+        metrics_fn=microbatching.l2_norm,
+        microbatch_size=8,
+        batch_mesh_axes="data",
+        clip_method=method,
+    )
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
+        got, aux = jax.jit(fn)(model.params, *batch)
+    assert_close(got, clipped_sum(grads, CLIP), terms=2)
+    assert_close(aux.metrics, norms(grads))
+
+
+# --- 3. the clip methods ----------------------------------------------------------------------
+
+METHODS = ["auto", "ghost", "two_pass", "chunked", "materialize"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_clip_method_gives_the_clipped_sum(method):
+    model = mlp()
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, clip_method=method, metrics_fn=microbatching.l2_norm)
+    got, aux = fn(model.params, *model.batch)
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+    assert_close(aux.metrics, norms(grads))
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == ("ghost" if method == "auto" else method)
+
+
+def half_mlp() -> Model:
+    """``mlp`` in float16, whose sums accumulate in float32."""
+    model = mlp()
+    half = jax.tree.map(lambda a: a.astype(jnp.float16), (model.params, model.batch))
+    return dataclasses.replace(model, params=half[0], batch=half[1])
+
+
+def test_forced_ghost_method_refuses_a_loss_narrower_than_its_accumulation():
+    model = half_mlp()
+    fn = grad_fn(model, l2_clip_norm=CLIP, clip_method="ghost")
+    match = (
+        r"micro_grad was given clip_method='ghost', but the ghost norms cannot read this loss: "
+        r"it computes in float16, narrower than its accumulation dtype float32\. Pass "
+        r"clip_method='auto'"
+    )
+    with pytest.raises(ValueError, match=match):
+        fn(model.params, *model.batch)
+    with pytest.raises(ValueError, match=match):
+        microbatching.clipping_report(fn, model.params, *model.batch)
+
+
+@pytest.mark.x64
+def test_auto_method_falls_back_on_a_loss_narrower_than_its_accumulation():
+    model = half_mlp()
+    fn = grad_fn(model, l2_clip_norm=CLIP)
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "materialize"
+    assert "narrower than its accumulation dtype" in report.reason
+    assert {leaf.rule for leaf in report.leaves} == {"per-example"}
+    got, _ = fn(model.params, *model.batch)
+    want = clipped_sum(per_example_grads(model), CLIP)
+    assert_close(got, want, dtype=jnp.float16, terms=TERMS)
+
+
+@pytest.mark.parametrize("method", ["two_pass", "chunked"])
+def test_weighted_loss_methods_refuse_a_custom_vjp_not_linear_in_its_cotangent(method):
+    model = custom_vjp_on_a_parameter()
+    fn = grad_fn(model, l2_clip_norm=CLIP, clip_method=method)
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_grad was given clip_method='{method}', which takes the gradient of the "
+        r"loss weighted by the clip factors, but that gradient is not exactly the weighted sum",
+    ):
+        fn(model.params, *model.batch)
+
+
+# --- 4. options -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_per_layer_clip_norms(method):
+    model = mlp()
+    grads = per_example_grads(model)
+    clip = {"dense1": 0.5 * median_norm(grads["dense1"]), "dense2": median_norm(grads["dense2"])}
+    got, _ = grad_fn(model, l2_clip_norm=clip, clip_method=method)(model.params, *model.batch)
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+    whole = clipped_sum(grads, clip["dense1"])
+    assert not np.allclose(got["dense1"]["kernel"], whole["dense1"]["kernel"])
+
+
+SCALINGS = {
+    "unit": {"rescale_to_unit_norm": True},
+    "normalize_by": {"normalize_by": 4.0},
+    "both": {"rescale_to_unit_norm": True, "normalize_by": 0.5},
+}
+
+
+@pytest.mark.parametrize(
+    "options, method",
+    [(options, "auto") for options in SCALINGS.values()] + [(SCALINGS["both"], "materialize")],
+    ids=[*(f"{name}-auto" for name in SCALINGS), "both-materialize"],
+)
+def test_rescale_to_unit_norm_and_normalize_by(options, method):
+    model = mlp()
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, clip_method=method, **options)
+    got, _ = fn(model.params, *model.batch)
+    unit = options.get("rescale_to_unit_norm", False)
+    want = clipped_sum(grads, clip, unit=unit, normalize_by=options.get("normalize_by", 1.0))
+    assert_close(got, want, terms=TERMS)
+
+
+def nan_model() -> Model:
+    """``mlp`` whose fourth example has a NaN input: its gradient is NaN."""
+    model = mlp()
+    x, y = model.batch
+    return dataclasses.replace(model, batch=(x.at[3, 1].set(jnp.nan), y))
+
+
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_nan_safe_leaves_out_an_example_whose_gradient_is_nan(method):
+    model = nan_model()
+    grads = per_example_grads(model)
+    assert np.isnan(norms(grads)[3])
+    fn = grad_fn(model, l2_clip_norm=CLIP, nan_safe=True, clip_method=method)
+    got, _ = fn(model.params, *model.batch)
+    others = np.arange(BATCH) != 3
+    assert_close(got, clipped_sum(grads, CLIP, others))
+    assert_close(got, clipped_sum(grads, CLIP, nan_safe=True))
+
+
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_without_nan_safe_a_nan_gradient_makes_the_sum_nan(method):
+    model = nan_model()
+    got, _ = grad_fn(model, l2_clip_norm=CLIP, clip_method=method)(model.params, *model.batch)
+    for leaf in jax.tree.leaves(got):
+        assert np.isnan(leaf).any()
+
+
+def test_traced_clip_norm_compiles_once():
+    model = mlp()
+    grads = per_example_grads(model)
+    traces = []
+
+    def loss(p, x, y):
+        traces.append(None)
+        return model.loss(p, x, y)
+
+    @jax.jit
+    def step(params, x, y, clip):
+        fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, microbatch_size=4)
+        return fn(params, x, y)[0]
+
+    counts = []
+    for clip in (0.5 * median_norm(grads), 2.0 * median_norm(grads)):
+        got = step(model.params, *model.batch, jnp.float32(clip))
+        assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+        counts.append(len(traces))
+    assert counts[0] > 0
+    assert counts[1] == counts[0]
+
+
+# --- 5. errors --------------------------------------------------------------------------------
+
+
+def test_unknown_clip_method():
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method must be one of \('auto', 'ghost', 'two_pass', 'chunked', "
+        r"'materialize'\), got clip_method='bogus'\.",
+    ):
+        micro_grad(mlp().loss, l2_clip_norm=CLIP, clip_method="bogus")
+
+
+def test_nan_safe_needs_a_clip_norm():
+    with pytest.raises(
+        ValueError,
+        match=r"micro_grad was given nan_safe=True without l2_clip_norm; these change how "
+        r"clipped gradients are summed, so pass l2_clip_norm too\.",
+    ):
+        micro_grad(mlp().loss, nan_safe=True)
+
+
+def test_normalize_by_must_be_positive():
+    with pytest.raises(
+        ValueError, match=r"normalize_by must be a positive finite number, got normalize_by=0\."
+    ):
+        micro_grad(mlp().loss, l2_clip_norm=CLIP, normalize_by=0)
+
+
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_per_layer_clip_norms_must_be_a_prefix_of_the_gradient(method):
+    model = mlp()
+    fn = grad_fn(model, l2_clip_norm={"dense1": 1.0, "dense3": 1.0}, clip_method=method)
+    with pytest.raises(
+        ValueError,
+        match=r"l2_clip_norm is a pytree, so it must be a prefix of the gradient's tree, but "
+        r"PyTreeDef\(\{'dense1': \*, 'dense3': \*\}\) is not a prefix of",
+    ):
+        fn(model.params, *model.batch)
+
+
+@pytest.mark.parametrize("method", ["two_pass", "chunked"])
+def test_one_factor_methods_refuse_per_layer_clip_norms(method):
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_grad was given clip_method='{method}', which scales each example's loss "
+        r"by one factor, and a pytree l2_clip_norm, which needs one factor per subtree; pass "
+        r"clip_method='ghost', 'materialize' or 'auto'\.",
+    ):
+        micro_grad(mlp().loss, l2_clip_norm={"dense1": 1.0, "dense2": 2.0}, clip_method=method)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [mlp().loss, microbatching.micro_vmap(mlp().loss, in_axes=(None, 0, 0))],
+    ids=["plain function", "micro_vmap"],
+)
+def test_clipping_report_needs_a_micro_grad_function(fn):
+    model = mlp()
+    with pytest.raises(
+        TypeError, match=r"clipping_report needs a function returned by micro_grad, got "
+    ):
+        microbatching.clipping_report(fn, model.params, *model.batch)
+
+
+# --- 6. the report on a small language model -------------------------------------------------
+
+
+def language_model() -> Model:
+    """Two-layer transformer LM: tied embeddings, positions, attention, an MLP, layer norms."""
+    rng = np.random.default_rng(10)
+    vocab, width, length = 11, 8, 6
+    params = {
+        "embed": normal(rng, vocab, width, scale=0.5),
+        "position": normal(rng, length, width, scale=0.1),
+        "blocks": [
+            {
+                "attention": attention_params(rng, width),
+                "norm": {
+                    "scale": 1 + normal(rng, width, scale=0.1),
+                    "bias": normal(rng, width, scale=0.1),
+                },
+                "up": {
+                    "kernel": normal(rng, width, 16, scale=0.3),
+                    "bias": normal(rng, 16, scale=0.1),
+                },
+                "down": {
+                    "kernel": normal(rng, 16, width, scale=0.3),
+                    "bias": normal(rng, width, scale=0.1),
+                },
+            }
+            for _ in range(2)
+        ],
+        "final_norm": {
+            "scale": 1 + normal(rng, width, scale=0.1),
+            "bias": normal(rng, width, scale=0.1),
+        },
+    }
+
+    def loss(p, ids, targets):
+        h = p["embed"][ids] + p["position"]
+        for block in p["blocks"]:
+            h = attention_block(block["attention"], h)
+            up = jax.nn.gelu(dense_layer(block["up"], layer_norm(block["norm"], h)))
+            h = h + dense_layer(block["down"], up)
+        logits = jax.nn.log_softmax(layer_norm(p["final_norm"], h) @ p["embed"].T)
+        return -jnp.mean(jnp.take_along_axis(logits, targets[:, None], axis=1))
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(BATCH, length)), jnp.int32)
+    rules = {"['embed']": "direct", "['position']": "direct"}
+    for i in range(2):
+        here = f"['blocks'][{i}]"
+        rules |= {f"{here}['attention']{path}": rule for path, rule in ATTENTION_RULES.items()}
+        rules |= {f"{here}['norm']['bias']": "direct", f"{here}['norm']['scale']": "direct"}
+        for layer in ("up", "down"):
+            rules |= {
+                f"{here}['{layer}']['bias']": "direct",
+                f"{here}['{layer}']['kernel']": "dense",
+            }
+    rules |= {"['final_norm']['bias']": "direct", "['final_norm']['scale']": "direct"}
+    return Model(loss, params, (ids, jnp.roll(ids, -1, axis=1)), False, rules)
+
+
+def test_clipping_report_of_a_language_model():
+    model = language_model()
+    fn = grad_fn(model, l2_clip_norm=CLIP)
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "ghost"
+    assert {leaf.path: leaf.rule for leaf in report.leaves} == model.rules
+    shapes = {
+        jax.tree_util.keystr(p): leaf.shape
+        for p, leaf in jax.tree_util.tree_leaves_with_path(model.params)
+    }
+    assert {leaf.path: leaf.shape for leaf in report.leaves} == shapes
+    text = str(report)
+    assert text.startswith("method: ghost")
+    for leaf in report.leaves:
+        assert leaf.path in text
