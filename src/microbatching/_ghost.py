@@ -638,8 +638,9 @@ def _dense_norm(
     else:
         gw, gx = tuple(range(nb, nb + wf)), tuple(range(nb + wf, nb + wf + len(xf)))
     h, t, k, n = _dense_dims(program, e, free)
-    xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k)
-    gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n)
+    wide = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
+    xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k).astype(wide)
+    gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n).astype(wide)
     if t == 1:
         return _clipping.norm(xs) * _clipping.norm(gs)
     xs, mx = _scaled(xs)
