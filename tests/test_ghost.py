@@ -97,8 +97,8 @@ def conv() -> Model:
 
     rules = {
         "['bias1']": "direct",
-        "['conv1']": "direct",
-        "['conv2']": "direct",
+        "['conv1']": "direct",  # grouped: its own per-example gradient
+        "['conv2']": "conv",
         "['out']": "dense",
     }
     return Model(loss, params, (normal(rng, BATCH, 9, 9, 4), normal(rng, BATCH, 2)), True, rules)
@@ -448,6 +448,75 @@ def test_norms_and_clipped_sum_by_the_ghost_method(name):
     got, aux = fn(model.params, *model.batch)
     assert_close(aux.metrics, norms(grads))
     assert_close(aux.values, per_example_values(model))
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+
+
+CONVOLUTIONS = {
+    "NCHW, asymmetric padding": dict(
+        x=(2, 7, 6),
+        kernel=(4, 2, 3, 2),
+        strides=(2, 1),
+        padding=((2, 0), (1, 1)),
+        numbers=("NCHW", "OIHW", "NCHW"),
+    ),
+    "transposed (lhs dilation)": dict(
+        x=(5, 5, 3),
+        kernel=(3, 3, 3, 4),
+        strides=(1, 1),
+        padding=((2, 2), (1, 2)),
+        lhs_dilation=(2, 2),
+        numbers=("NHWC", "HWIO", "NHWC"),
+    ),
+    "negative padding, dilated kernel": dict(
+        x=(9, 8, 2),
+        kernel=(2, 3, 2, 3),
+        strides=(1, 2),
+        padding=((-1, 0), (0, -1)),
+        rhs_dilation=(2, 1),
+        numbers=("NHWC", "HWIO", "NHWC"),
+    ),
+    "1-d": dict(
+        x=(11, 3), kernel=(3, 3, 5), strides=(2,), padding=((1, 1),), numbers=("NWC", "WIO", "NWC")
+    ),
+    "3-d": dict(
+        x=(4, 5, 4, 2),
+        kernel=(2, 2, 2, 2, 3),
+        strides=(1, 2, 1),
+        padding=((0, 1), (1, 0), (0, 0)),
+        numbers=("NDHWC", "DHWIO", "NDHWC"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CONVOLUTIONS)
+def test_convolution_rule_in_every_layout(name):
+    """The conv rule reads patches of the input: every padding, stride, dilation and
+    layout must give jax.grad's kernel gradient norm (two examples per row here, so that
+    the rule sums over the example's own batch axis too)."""
+    spec = dict(CONVOLUTIONS[name])
+    rng = np.random.default_rng(1)
+    kernel = normal(rng, *spec.pop("kernel"), scale=0.5)
+    x = normal(rng, BATCH, 2, *spec.pop("x"))
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(
+            x,
+            w,
+            spec["strides"],
+            spec["padding"],
+            lhs_dilation=spec.get("lhs_dilation"),
+            rhs_dilation=spec.get("rhs_dilation"),
+            dimension_numbers=spec["numbers"],
+        )
+        return jnp.sum(jnp.sin(y))
+
+    model = Model(loss, kernel, (x,))
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, metrics_fn=microbatching.l2_norm)
+    assert [leaf.rule for leaf in microbatching.clipping_report(fn, kernel, x).leaves] == ["conv"]
+    got, aux = fn(kernel, x)
+    assert_close(aux.metrics, norms(grads))
     assert_close(got, clipped_sum(grads, clip), terms=TERMS)
 
 

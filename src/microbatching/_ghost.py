@@ -35,6 +35,7 @@ of the program. So:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -55,6 +56,10 @@ gradient has the norm of the site operand's."""
 
 NO_GRADIENT = {"stop_gradient"}
 
+ADDITIVE = {"add", "sub", "add_any"}
+"""Sites whose product with a cotangent does not read their inputs (a bias added to an
+activation): their data inputs are not kept."""
+
 NONLINEAR_IN_COTANGENT = {
     "custom_lin",
     "custom_vjp_call",
@@ -65,6 +70,11 @@ NONLINEAR_IN_COTANGENT = {
 """Sites whose product with their cotangent may run code that the user supplies (a
 ``custom_jvp`` rule may itself call a ``custom_vjp``): their scaled contributions are
 summed from the per-example products, never by scaling the cotangent."""
+
+NORM_CHUNK_BYTES = 4 * 2**20
+"""Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
+norms are computed a chunk of examples at a time, so that they cost no more memory than
+the activations the backward pass holds anyway."""
 
 CHUNK_BYTES = 32 * 2**20
 """Bytes of per-example gradients of ``direct`` leaves formed at once."""
@@ -105,6 +115,7 @@ class Site:
     free: tuple[int, ...]  # input positions holding gradient-carrying free values
     data: tuple[int, ...]  # input positions that depend on the example
     linear: bool
+    same_as: int | None = None  # a later site whose output cotangent is this site's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,12 +127,14 @@ class Rule:
       sites: The sites its gradient comes from.
       primitives: Their primitives, for reading.
       flops: The per-example flops of its norm.
+      bytes: The per-example bytes of its norm's intermediates.
     """
 
     name: str
     sites: tuple[int, ...]
     primitives: tuple[str, ...]
     flops: int
+    bytes: int = 0  # per example, of the intermediates of its norm
 
 
 @dataclasses.dataclass
@@ -227,6 +240,32 @@ def _find_sites(program: Program) -> None:
                 _programs.calls(inner, NONLINEAR_IN_COTANGENT) for inner in _bodies(e)
             )
             program.sites.append(Site(index, free, data, linear))
+    _share_cotangents(program)
+
+
+def _share_cotangents(program: Program) -> None:
+    """Marks a site whose only output is used once, as the data operand of an added bias
+    (``x @ w + b``), as having that site's output cotangent: one tap serves both."""
+    uses: dict[int, list[tuple[int, int]]] = {}
+    for i, e in enumerate(program.eqns):
+        for p, a in enumerate(e.ins):
+            if not isinstance(a, Const):
+                uses.setdefault(a, []).append((i, p))
+    for a in program.outs:
+        if not isinstance(a, Const):
+            uses.setdefault(a, []).append((-1, 0))
+    at = {s.eqn: k for k, s in enumerate(program.sites)}
+    for k, site in enumerate(program.sites):
+        (out, *more) = program.eqns[site.eqn].outs
+        there = uses.get(out, [])
+        if more or len(there) != 1 or there[0][0] not in at:
+            continue
+        j, position = there[0]
+        later = program.eqns[j]
+        if later.primitive.name in ("add", "add_any") and position in program.sites[at[j]].data:
+            same = program.avals[later.outs[0]]
+            if same.shape == program.avals[out].shape and same.dtype == program.avals[out].dtype:
+                program.sites[k] = dataclasses.replace(site, same_as=at[j])
 
 
 def _bodies(e: Eqn) -> Iterator[ClosedJaxpr]:
@@ -258,8 +297,8 @@ def _rule(program: Program, leaf: int) -> Rule:
     cost = _gram_cost(program, site)
     if cost is None:
         return direct
-    name, flops = cost
-    return Rule(name, reached, names, flops)
+    name, flops, entries = cost
+    return Rule(name, reached, names, flops, 4 * entries)
 
 
 def _key(program: Program, site: Site, position: int) -> int:
@@ -291,18 +330,36 @@ def _chain_end(program: Program, leaf: int) -> int | None:
         key = e.outs[0]
 
 
-def _gram_cost(program: Program, site: Site) -> tuple[str, int] | None:
-    """``(rule, flops per example)`` where ``site`` has a Gram form, else None."""
+def _gram_cost(program: Program, site: Site) -> tuple[str, int, int] | None:
+    """``(rule, flops, entries)`` per example where ``site`` has a Gram form, else None:
+    ``entries`` counts the intermediates of its norm."""
     e = program.eqns[site.eqn]
     name = e.primitive.name
     if name == "dot_general" and site.data == (1 - site.free[0],):
         h, t, k, n = _dense_dims(program, e, site.free[0])
-        return "dense", min(h * t * t * (k + n), h * t * k * n)
+        return "dense", *_product_cost(h, t, k, n)
+    ungrouped = e.params.get("feature_group_count") == e.params.get("batch_group_count") == 1
+    if name == "conv_general_dilated" and site.free == (1,) and site.data == (0,) and ungrouped:
+        t, k, n = _conv_dims(program, e)
+        return "conv", *_product_cost(1, t, k, n)
     if name == "gather" and site.free == (0,) and _is_row_gather(program, e):
         rows, width = program.avals[_key(program, site, 0)].shape
         t = math.prod(program.avals[e.outs[0]].shape) // max(width, 1)
-        return "embedding", min(t * t * width, t * width + rows * width)
+        gram = t * t <= rows
+        return (
+            "embedding",
+            min(t * t * width, t * width + rows * width),
+            (t * t + t * width if gram else rows * width + t * width),
+        )
     return None
+
+
+def _product_cost(h: int, t: int, k: int, n: int) -> tuple[int, int]:
+    """``(flops, entries)`` of the cheaper of the two forms of ``_product_norm``."""
+    rows = h * t * (k + n)
+    if t * t * (k + n) <= t * k * n:
+        return h * t * t * (k + n), rows + 2 * h * t * t
+    return h * t * k * n, rows + h * k * n
 
 
 def _dense_dims(program: Program, e: Eqn, free: int) -> tuple[int, int, int, int]:
@@ -318,6 +375,15 @@ def _dense_dims(program: Program, e: Eqn, free: int) -> tuple[int, int, int, int
     h = math.prod(x[d] for d in batch[1 - free])
     k = math.prod(x[d] for d in contract[1 - free])
     return h, math.prod(x) // max(h * k, 1), k, math.prod(w) // max(h * k, 1)
+
+
+def _conv_dims(program: Program, e: Eqn) -> tuple[int, int, int]:
+    """``(T, K, N)`` of a convolution's kernel gradient as a product of patches: ``T``
+    output positions, ``K`` entries of a patch, ``N`` output features."""
+    kernel = program.avals[e.ins[1]].shape  # type: ignore[index]
+    out = program.avals[e.outs[0]].shape
+    n = kernel[e.params["dimension_numbers"].rhs_spec[0]]
+    return math.prod(out) // max(n, 1), math.prod(kernel) // max(n, 1), n
 
 
 def _dense_axes(e: Eqn) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
@@ -399,8 +465,9 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
             ins = [_read(values, a) for a in e.ins]
             outs = e.bind(ins)
             k = sites.get(i)
-            if k is not None:
+            if k is not None and e.primitive.name not in ADDITIVE:
                 inputs[k] = [ins[p] for p in program.sites[k].data]
+            if k is not None and program.sites[k].same_as is None:
                 tapped = iter(taps[k])
                 floating = _floating(program, e.outs)
                 outs = [o + next(tapped) if f else o for o, f in zip(outs, floating, strict=True)]
@@ -419,13 +486,26 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
                 )
                 if f
             ]
+            if s.same_as is None
+            else []
             for s in program.sites
         ]
         value, pull, (outs, inputs) = jax.vjp(lambda t: forward(data, t), taps, has_aux=True)
         (cotangents,) = pull(jnp.ones_like(value))
         return outs, inputs, cotangents
 
-    return Recorded(*jax.vmap(one)(list(example)))
+    outs, inputs, cotangents = jax.vmap(one)(list(example))
+    for k in reversed(range(len(program.sites))):
+        shared = program.sites[k].same_as
+        if shared is not None:
+            cotangents[k] = cotangents[shared]
+    rows = example[0].shape[0]
+    for k, site in enumerate(program.sites):
+        e = program.eqns[site.eqn]
+        if e.primitive.name in ADDITIVE:  # their products never read the data
+            avals = [program.avals[e.ins[p]] for p in site.data]  # type: ignore[index]
+            inputs[k] = [jnp.zeros((rows, *a.shape), a.dtype) for a in avals]
+    return Recorded(outs, inputs, cotangents)
 
 
 def _zeros(aval: Any) -> jax.Array:
@@ -442,12 +522,14 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
     rows = jnp.shape(program_value(seen))[0]
     columns: list[jax.Array] = [jnp.zeros((rows,), jnp.float32)] * program.n_params
     for leaf, rule in enumerate(program.rules):
-        if rule.name in ("dense", "embedding"):
+        if rule.name in GRAM_NORMS:
             k = rule.sites[0]
-            norm = _dense_norm if rule.name == "dense" else _embedding_norm
+            norm = GRAM_NORMS[rule.name]
             site = program.sites[k]
-            columns[leaf] = jax.vmap(lambda a, g, s=site, f=norm: f(program, s, a, g))(
-                seen.inputs[k], seen.cotangents[k]
+            columns[leaf] = jax.lax.map(
+                lambda pair, s=site, f=norm: f(program, s, *pair),
+                (seen.inputs[k], seen.cotangents[k]),
+                batch_size=max(1, NORM_CHUNK_BYTES // max(rule.bytes, 1)),
             )
     direct = [leaf for leaf, r in enumerate(program.rules) if r.name == "direct"]
     if direct:
@@ -641,6 +723,14 @@ def _dense_norm(
     wide = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
     xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k).astype(wide)
     gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n).astype(wide)
+    return _product_norm(xs, gs)
+
+
+def _product_norm(xs: jax.Array, gs: jax.Array) -> jax.Array:
+    """The norm of ``sum_t xs[h, t] (outer) gs[h, t]`` over all ``h``: from the Gram
+    matrices of the rows, or from the product itself, whichever takes fewer flops."""
+    _, t, k = xs.shape
+    n = gs.shape[2]
     if t == 1:
         return _clipping.norm(xs) * _clipping.norm(gs)
     xs, mx = _scaled(xs)
@@ -652,6 +742,48 @@ def _dense_norm(
     else:
         gram = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
     return _from_gram(gram, mx, mg)
+
+
+def _conv_norm(
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
+) -> jax.Array:
+    """One example's norm of a convolution's kernel gradient: the product of the input
+    patches (``T x K``) and the output cotangents (``T x N``)."""
+    e = program.eqns[site.eqn]
+    (x,), (g,) = inputs, cotangents
+    numbers = e.params["dimension_numbers"]
+    kernel = program.avals[e.ins[1]].shape  # type: ignore[index]
+    window = tuple(kernel[d] for d in numbers.rhs_spec[2:])
+    out = program.avals[e.outs[0]].shape
+    t, k, n = _conv_dims(program, e)
+    wide = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
+    x = jnp.transpose(x, (numbers.lhs_spec[0], *numbers.lhs_spec[2:], numbers.lhs_spec[1]))
+    if any(d != 1 for d in e.params["lhs_dilation"]):
+        x = jax.lax.pad(
+            x,
+            jnp.zeros((), x.dtype),
+            [(0, 0, 0)] + [(0, 0, d - 1) for d in e.params["lhs_dilation"]] + [(0, 0, 0)],
+        )
+    x = jax.lax.pad(
+        x,
+        jnp.zeros((), x.dtype),
+        [(0, 0, 0), *((lo, hi, 0) for lo, hi in e.params["padding"]), (0, 0, 0)],
+    )
+    sizes = [out[d] for d in numbers.out_spec[2:]]
+    strides = e.params["window_strides"]
+    dilation = e.params["rhs_dilation"]
+    taken = []
+    for offset in itertools.product(*(range(w) for w in window)):
+        start = [o * r for o, r in zip(offset, dilation, strict=True)]
+        limit = [s + (m - 1) * st + 1 for s, m, st in zip(start, sizes, strides, strict=True)]
+        taken.append(
+            jax.lax.slice(x, [0, *start, 0], [x.shape[0], *limit, x.shape[-1]], [1, *strides, 1])
+        )
+    patches = jnp.stack(taken, axis=-2)
+    order = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
+    xs = patches.reshape(1, t, k).astype(wide)
+    gs = jnp.transpose(g, order).reshape(1, t, n).astype(wide)
+    return _product_norm(xs, gs)
 
 
 def _embedding_norm(
@@ -674,3 +806,7 @@ def _embedding_norm(
     else:
         gram = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
     return _from_gram(gram, mg)
+
+
+GRAM_NORMS = {"dense": _dense_norm, "conv": _conv_norm, "embedding": _embedding_norm}
+"""The rules that read a leaf's norm off its one site's inputs and output cotangents."""
