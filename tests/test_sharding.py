@@ -124,6 +124,62 @@ def test_clipped_micro_grad_with_replicated_params(axis_type, mesh_shape, names)
         assert per_example.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 1)
 
 
+def collectives_in_loops(fun, *args) -> dict[str, int]:
+    """How many collectives of each kind sit in while-loop bodies (run per microbatch)."""
+    text = compiled_hlo(fun, *args)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    counts: dict[str, int] = dict.fromkeys((*MOVES_DATA, "all-reduce"), 0)
+    current = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            current = line.split()[0].lstrip("%")
+        elif current in bodies:
+            for kind in counts:
+                counts[kind] += bool(re.search(rf"\s{kind}(-start)?\(", line))
+    return counts
+
+
+def temp_bytes(fun, *args) -> int:
+    analysis = jax.jit(fun).lower(*args).compile().memory_analysis()
+    assert analysis is not None
+    return analysis.temp_size_in_bytes
+
+
+def _two_layer(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+@pytest.mark.parametrize(
+    "axis_type, layout",
+    [(AxisType.Auto, "fsdp"), (AxisType.Auto, "replicated"), (AxisType.Explicit, "replicated")],
+    ids=["Auto-fsdp", "Auto-replicated", "Explicit-replicated"],
+)
+def test_ghost_clipping_on_a_mesh_moves_nothing_inside_the_loop(axis_type, layout):
+    """Issue 14: the ghost path's loop body holds no collective, on FSDP parameters
+    (``P("data", None)``, gathered once before the loop) as on replicated ones, and its
+    temp memory per device stays within 2x the unclipped ``micro_grad``'s."""
+    mesh = _mesh(axis_type)
+    params = {
+        "w1": random_array(2, (64, 128), jnp.float32) / 8,
+        "w2": random_array(3, (128, 8), jnp.float32) / 11,
+    }
+    x, y = random_array(4, (512, 64), jnp.float32), random_array(5, (512, 8), jnp.float32)
+    common = {"batch_argnums": (1, 2), "microbatch_size": 64, "batch_mesh_axes": "data"}
+    plain = micro_grad(_two_layer, **common)
+    ghost = micro_grad(_two_layer, l2_clip_norm=0.05, **common)
+    reference = micro_grad(_two_layer, l2_clip_norm=0.05, clip_method="materialize", **common)
+    with jax.set_mesh(mesh):
+        spec = P("data", None) if layout == "fsdp" else P()
+        p = jax.device_put(params, NamedSharding(mesh, spec))
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        counts = collectives_in_loops(ghost, p, xs, ys)
+        ratio = temp_bytes(ghost, p, xs, ys) / temp_bytes(plain, p, xs, ys)
+        got, want = jax.jit(ghost)(p, xs, ys)[0], jax.jit(reference)(p, xs, ys)[0]
+    assert counts == dict.fromkeys((*MOVES_DATA, "all-reduce"), 0)
+    assert ratio <= 2.0
+    assert_close(got, want, terms=64)
+
+
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
 def test_batch_axis_other_than_zero_on_a_mesh(axis_type):
     mesh = _mesh(axis_type)

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from . import _accumulators, _checks, _clipping, _per_example, _signature, _vmap
+from . import _accumulators, _checks, _clipping, _layout, _per_example, _signature, _vmap
 from ._accumulators import AccumulationType
 from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
@@ -171,10 +171,20 @@ def micro_grad(
 
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
 
+    gather = is_summed and wanted and method in ("auto", "ghost", "two_pass")
+
     def checked(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        positional = axes.to_positions(args, kwargs)[0]
+        positional, named = axes.to_positions(args, kwargs)
         example.check_differentiable(positional)
         unsplit.check(positional)
+        if gather and settings.mesh_axes:
+            # The per-example norms read every parameter on every shard: gathered once
+            # here, not once per microbatch by XLA inside the loop.
+            nums = example.nums()
+            positional = tuple(
+                _layout.replicated(a) if i in nums else a for i, a in enumerate(positional)
+            )
+            return looped(*positional, **named)
         return looped(*args, **kwargs)
 
     return wraps(fun, checked, axes, settings, weights=True, describe=describe)

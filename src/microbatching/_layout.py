@@ -185,6 +185,20 @@ def unchunk(x: jax.Array, where: Shards) -> jax.Array:
     return constrain(jnp.reshape(x, shape), where, [where.entry])
 
 
+def replicated(tree: Any) -> Any:
+    """``tree`` asked to be whole on every device, on an Auto mesh; as it is elsewhere (an
+    Explicit sharding is the array's type, and stays the caller's choice)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or _sharding.explicit_sharding(x) is not None:
+            return x
+        return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+    return jax.tree.map(one, tree)
+
+
 def constrain(x: jax.Array, where: Shards, spec: list[Any] | None = None) -> jax.Array:
     """Asks XLA to shard ``x`` by ``spec`` (default: axis 0 over the shards), on Auto meshes."""
     if where.explicit:
