@@ -45,6 +45,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/accumulation.py
+	$(BIN)/python benchmarks/clipping.py
 	$(BIN)/python benchmarks/remainder.py
 	$(BIN)/python benchmarks/plots.py
 

@@ -25,19 +25,23 @@ def row_norms(grads: PyTree, rows: int) -> jax.Array:
     """The L2 norm of each row of gradients stacked on axis 0, over all leaves."""
     if not rows:
         return jnp.zeros((0,))
-    flat = [_magnitudes(g) for g in jax.tree.leaves(grads)]
-    if not flat:
+    # The magnitudes feed the largest entry; the squares read the values again, so that
+    # XLA fuses both reductions into reads of the gradient and keeps no copy of it.
+    values = [_wide(g) for g in jax.tree.leaves(grads)]
+    if not values:
         return jnp.zeros((rows,))
-    largest = jnp.max(jnp.stack([jnp.max(f, axis=_rest(f), initial=0.0) for f in flat]), axis=0)
+    largest = jnp.max(
+        jnp.stack([jnp.max(jnp.abs(v), axis=_rest(v), initial=0.0) for v in values]), axis=0
+    )
     safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
     # Divided twice by the square root: XLA may divide by multiplying with the reciprocal,
     # and 1 / m is subnormal (flushed to 0) for m above 2**126; 1 / sqrt(m) never is. The
     # barrier keeps XLA from rewriting the scaled squares back into overflowing ones,
     # which it does where the gradient is a known constant.
-    root = jnp.sqrt(safe)
-    flat, root = jax.lax.optimization_barrier((flat, root))
+    root = jax.lax.optimization_barrier(jnp.sqrt(safe))
     squares = sum(
-        jnp.sum(jnp.square(f / _at_rows(root, f) / _at_rows(root, f)), axis=_rest(f)) for f in flat
+        jnp.sum(jnp.square(v / _at_rows(root, v) / _at_rows(root, v)), axis=_rest(v))
+        for v in values
     )
     return jnp.where(jnp.isfinite(largest), safe * jnp.sqrt(squares), largest)
 
@@ -61,12 +65,12 @@ def factor(norms: jax.Array, bound: Any) -> jax.Array:
     return jnp.minimum(1.0, bound / norms)
 
 
-def _magnitudes(g: Any) -> jax.Array:
-    """``|g|`` in at least float32."""
+def _wide(g: Any) -> jax.Array:
+    """``g`` in at least float32; a complex ``g`` as its moduli."""
     g = jnp.asarray(g)
-    magnitude = jnp.abs(g) if jnp.iscomplexobj(g) else g
-    wide = jnp.promote_types(magnitude.dtype, jnp.float32)
-    return jnp.abs(magnitude.astype(wide))
+    if jnp.iscomplexobj(g):
+        g = jnp.abs(g)
+    return g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
 
 def leaf_norms(grads: PyTree, rows: int) -> jax.Array:

@@ -230,11 +230,13 @@ def summed(
         scaled = clipping is not None or given is not None
         wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
         if wanted and method in ("auto", "ghost"):
-            out = ghost(example, clipping, norms_only, requested, given, args, kwargs)
+            out = ghost(example, clipping, norms_only, requested, given, args, kwargs, method)
             if not isinstance(out, str):
                 return out
             if method == "ghost":
                 raise ValueError(_NO_GHOST.format(method=method, reason=out))
+            if out == _CHEAPER:
+                return explicit(given, *args, **kwargs)
         if method == "materialize" or not _summed_is_exact(
             example, losses, requested, scaled, args, kwargs
         ):
@@ -410,13 +412,17 @@ def ghost(
     given: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    method: str = "ghost",
 ) -> tuple[PyTree, Aux] | str:
     """The clipped (weighted) sum by book-keeping, with per-example values, aux and
-    norms; or why the ghost norms cannot read this loss."""
+    norms; or why the ghost norms cannot read this loss (``_CHEAPER`` where, with
+    ``method="auto"``, forming the per-example gradients costs less)."""
     split = _split(example, args, kwargs)
     program = _analyse(split, requested)
     if isinstance(program, str):
         return program
+    if method == "auto" and _ghost.materialize_cost(program) < _ghost.ghost_cost(program):
+        return _CHEAPER
     seen = _ghost.record(program, split.params, split.data)
     norms = _ghost.leaf_norms(program, split.params, seen)
     rows = norms.shape[0]
@@ -485,9 +491,17 @@ def describe(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops)
         for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
     )
+    ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)
+    costs = (
+        f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
+    )
+    if method == "auto" and per_example < ghost:
+        return ClippingReport("materialize", f"{_CHEAPER}: {costs}", leaves)
     why = "asked for" if method != "auto" else "the ghost norms read this loss"
-    return ClippingReport("ghost" if method == "auto" else method, why, leaves)
+    return ClippingReport("ghost" if method == "auto" else method, f"{why}: {costs}", leaves)
 
+
+_CHEAPER = "forming the per-example gradients costs less"
 
 _NO_GHOST = (
     "micro_grad was given clip_method={method!r}, but the ghost norms cannot read this "

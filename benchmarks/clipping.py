@@ -1,0 +1,439 @@
+"""Clipped per-example gradient sums: ghost norms against every other way of computing them.
+
+For four workloads (an MLP, a CNN, a transformer block and a Flax NNX language model with
+tied embeddings) and three microbatch sizes, the same DP-SGD sum
+``sum_b g_b * min(1, 1 / ||g_b||)`` is computed by ``micro_grad`` with each
+``clip_method``, by ``micro_grad`` with the clipping in ``transform_fn``, by optax 0.2.8's
+``micro_grad`` with that ``transform_fn``, and by ``jax.vmap(jax.grad(loss))`` over the
+whole batch, clipped and summed. Each table gives the compiled temp memory, the median time
+of a call and its ratio to ``micro_grad`` without clipping (``plain``), from interleaved
+repetitions in one process (medians of per-repetition ratios, with quartiles), as in
+``accumulation.py``. A way whose first call (the warm-up) takes over ``LIMIT_S`` seconds is
+not timed. Every clipped sum is checked against ``vmap(grad)``.
+
+Usage: ``python benchmarks/clipping.py [--quick] [--reps N] [--output PATH]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from accumulation import (  # benchmarks/ is on sys.path when run as a script
+    Fn,
+    clip,
+    loss,
+    mlp,
+    ms,
+    ratio,
+    report,
+)
+
+import microbatching as mb
+
+RESULTS = Path(__file__).resolve().parent / "CLIPPING.md"
+LIMIT_S = 3.0  # a way whose first call takes longer is not timed
+PLAIN, VMAP = "plain", "`vmap(grad)`"
+AUTO = "`l2_clip_norm`"
+
+try:  # benchmark-only dependency
+    import optax
+    from optax import microbatching as optax_mb
+
+    OPTAX: str | None = f"optax {optax.__version__}"
+except ImportError:  # pragma: no cover
+    optax_mb = None
+    OPTAX = None
+
+
+@dataclasses.dataclass
+class Workload:
+    """A loss of ``(params, *batch)``, its arguments and a line that describes it."""
+
+    name: str
+    loss: Fn
+    params: Any
+    batch: tuple[jax.Array, ...]
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        return (self.params, *self.batch)
+
+    @property
+    def batch_argnums(self) -> tuple[int, ...]:
+        return tuple(range(1, 1 + len(self.batch)))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Softmax cross-entropy of each row of ``logits`` (last axis) against integer labels."""
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    return jax.random.normal(key, shape) / np.sqrt(fan_in)
+
+
+# --- 1. MLP ---------------------------------------------------------------------------
+
+
+def mlp_workload(examples: int) -> Workload:
+    k1, k2 = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(k1, (examples, 784))
+    y = jax.random.randint(k2, (examples,), 0, 10)
+    return Workload("MLP 784-512-512-10 with biases", loss, mlp([784, 512, 512, 10]), (x, y))
+
+
+# --- 2. CNN ---------------------------------------------------------------------------
+
+
+def conv(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """3x3 convolution of stride 2, NHWC, SAME padding, plus a bias, then ReLU."""
+    out = jax.lax.conv_general_dilated(
+        x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jax.nn.relu(out + b)
+
+
+def cnn_loss(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+    h = conv(x, params["conv1"], params["bias1"])
+    h = conv(h, params["conv2"], params["bias2"])
+    logits = h.reshape(h.shape[0], -1) @ params["dense"] + params["bias3"]
+    return jnp.mean(cross_entropy(logits, y))
+
+
+def cnn_workload(examples: int) -> Workload:
+    k = jax.random.split(jax.random.key(3), 5)
+    params = {
+        "conv1": normal(k[0], (3, 3, 1, 32), 9),
+        "bias1": jnp.zeros(32),
+        "conv2": normal(k[1], (3, 3, 32, 64), 9 * 32),
+        "bias2": jnp.zeros(64),
+        "dense": normal(k[2], (7 * 7 * 64, 10), 7 * 7 * 64),
+        "bias3": jnp.zeros(10),
+    }
+    x = jax.random.normal(k[3], (examples, 28, 28, 1))
+    y = jax.random.randint(k[4], (examples,), 0, 10)
+    name = "CNN 28x28x1, conv 3x3/2 to 32 and to 64 (bias, ReLU), dense to 10"
+    return Workload(name, cnn_loss, params, (x, y))
+
+
+# --- 3. Transformer block -------------------------------------------------------------
+
+VOCAB, WIDTH, HEADS, HIDDEN = 256, 64, 4, 256
+
+
+def dense(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return x @ p["w"] + p["b"]
+
+
+def layer_norm(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.var(x, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def attention(p: dict[str, Any], x: jax.Array) -> jax.Array:
+    """Causal multi-head self-attention of ``x`` (batch, tokens, width)."""
+    b, t, d = x.shape
+    q, k, v = (dense(p[n], x).reshape(b, t, HEADS, d // HEADS) for n in "qkv")
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // HEADS)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e30)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    return dense(p["o"], out.reshape(b, t, d))
+
+
+def block_loss(params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    h = params["embed"][tokens] + params["positions"]
+    h = h + attention(params["attention"], layer_norm(params["ln1"], h))
+    up = jax.nn.gelu(dense(params["up"], layer_norm(params["ln2"], h)))
+    h = h + dense(params["down"], up)
+    logits = dense(params["out"], layer_norm(params["ln3"], h))
+    return jnp.mean(cross_entropy(logits, targets))
+
+
+def block_workload(examples: int, tokens: int = 32) -> Workload:
+    k = iter(jax.random.split(jax.random.key(4), 12))
+
+    def linear(a: int, b: int) -> dict[str, jax.Array]:
+        return {"w": normal(next(k), (a, b), a), "b": jnp.zeros(b)}
+
+    def norm() -> dict[str, jax.Array]:
+        return {"scale": jnp.ones(WIDTH), "bias": jnp.zeros(WIDTH)}
+
+    params = {
+        "embed": jax.random.normal(next(k), (VOCAB, WIDTH)) * 0.02,
+        "positions": jax.random.normal(next(k), (tokens, WIDTH)) * 0.02,
+        "ln1": norm(),
+        "attention": {n: linear(WIDTH, WIDTH) for n in "qkvo"},
+        "ln2": norm(),
+        "up": linear(WIDTH, HIDDEN),
+        "down": linear(HIDDEN, WIDTH),
+        "ln3": norm(),
+        "out": linear(WIDTH, VOCAB),
+    }
+    ids = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    targets = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    name = (
+        f"Transformer block: {tokens} tokens over vocab {VOCAB}, width {WIDTH}, learned "
+        f"positions, pre-LN, {HEADS}-head causal attention, MLP {HIDDEN}, untied output"
+    )
+    return Workload(name, block_loss, params, (ids, targets))
+
+
+# --- 4. Flax NNX language model, tied embeddings, token mask --------------------------
+
+
+def nnx_workload(examples: int, tokens: int = 64, blocks: int = 2) -> Workload | None:
+    """None where flax is not importable."""
+    try:
+        from flax import nnx
+    except ImportError:
+        return None
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.ln1 = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(
+                HEADS, WIDTH, decode=False, keep_rngs=False, rngs=rngs
+            )
+            self.ln2 = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.up = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
+            self.down = nnx.Linear(HIDDEN, WIDTH, rngs=rngs)
+
+        def __call__(self, h: jax.Array, mask: jax.Array) -> jax.Array:
+            h = h + self.attention(self.ln1(h), mask=mask)
+            return h + self.down(nnx.gelu(self.up(self.ln2(h))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+            self.positions = nnx.Param(jax.random.normal(rngs.params(), (tokens, WIDTH)) * 0.02)
+            self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
+            self.ln = nnx.LayerNorm(WIDTH, rngs=rngs)
+
+        def __call__(self, ids: jax.Array) -> jax.Array:
+            h = self.embed(ids) + self.positions[...]
+            mask = nnx.make_causal_mask(ids)
+            for block in self.blocks:
+                h = block(h, mask)
+            return self.ln(h) @ self.embed.embedding[...].T  # tied output projection
+
+    graphdef, state = nnx.split(LM(nnx.Rngs(5)))
+
+    def lm_loss(state: Any, ids: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+        ce = cross_entropy(nnx.merge(graphdef, state)(ids), targets)
+        per_example = jnp.sum(weights * ce, axis=-1) / jnp.sum(weights, axis=-1)
+        return jnp.mean(per_example)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(6), 3)
+    ids = jax.random.randint(k1, (examples, tokens), 0, VOCAB)
+    targets = jax.random.randint(k2, (examples, tokens), 0, VOCAB)
+    lengths = jax.random.randint(k3, (examples, 1), tokens // 4, tokens + 1)
+    weights = (jnp.arange(tokens) < lengths).astype(jnp.float32)
+    name = (
+        f"Flax NNX LM: {blocks} pre-LN blocks (nnx.MultiHeadAttention, {HEADS} heads, causal; "
+        f"MLP {HIDDEN}), width {WIDTH}, vocab {VOCAB}, {tokens} tokens, TIED embeddings, "
+        "loss sum(mask * ce) / sum(mask) per example"
+    )
+    return Workload(name, lm_loss, state, (ids, targets, weights))
+
+
+# --- Ways -----------------------------------------------------------------------------
+
+
+def grads_only(grad_fn: Fn) -> Fn:
+    """A ``micro_grad`` function that returns only the summed gradients."""
+
+    def grads(*args: Any) -> Any:
+        return grad_fn(*args)[0]
+
+    return grads
+
+
+def vmap_grad(w: Workload) -> Fn:
+    """``jax.vmap(jax.grad(loss))`` over the whole batch, each gradient clipped, summed."""
+
+    def one(params: Any, *example: jax.Array) -> Any:
+        return clip(jax.grad(w.loss)(params, *(e[None] for e in example)))
+
+    def summed(params: Any, *batch: jax.Array) -> Any:
+        grads = jax.vmap(one, in_axes=(None, *[0] * len(batch)))(params, *batch)
+        return jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
+
+    return summed
+
+
+def ways(w: Workload, size: int) -> dict[str, Fn]:
+    """Every way of the clipped sum at microbatch ``size``, and ``plain`` first."""
+    options: dict[str, Any] = {"batch_argnums": w.batch_argnums, "microbatch_size": size}
+    out = {
+        PLAIN: grads_only(mb.micro_grad(w.loss, **options)),
+        AUTO: grads_only(mb.micro_grad(w.loss, l2_clip_norm=1.0, **options)),
+    }
+    for method in ("ghost", "two_pass", "chunked", "materialize"):
+        out[method] = grads_only(
+            mb.micro_grad(w.loss, l2_clip_norm=1.0, clip_method=method, **options)
+        )
+    out["`transform_fn=clip`"] = grads_only(mb.micro_grad(w.loss, transform_fn=clip, **options))
+    if optax_mb is not None and OPTAX is not None:
+        out[OPTAX] = grads_only(optax_mb.micro_grad(w.loss, transform_fn=clip, **options))
+    return out
+
+
+# --- Measurement ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Warm:
+    """A compiled way, its temp memory, the time of its first call and that call's output."""
+
+    compiled: Any
+    temp_mib: float
+    first_s: float
+    output: Any
+
+
+def warm_up(fn: Fn, args: Sequence[Any]) -> Warm:
+    """Compiles ``jax.jit(fn)`` and times its first call (the warm-up)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    temp = float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+    start = time.perf_counter()
+    output = jax.block_until_ready(compiled(*args))
+    return Warm(compiled, temp, time.perf_counter() - start, output)
+
+
+def interleaved(compiled: dict[str, Any], args: Sequence[Any], reps: int) -> dict[str, list[float]]:
+    """``accumulation.interleaved`` on compiled, warmed-up functions (compiled once)."""
+    seconds: dict[str, list[float]] = {name: [] for name in compiled}
+    order = np.random.default_rng(0)
+    for _ in range(reps):
+        for name in order.permutation(list(compiled)):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[name](*args))
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """``||got - want|| / ||want||`` over all leaves, in float64."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    diff = total = 0.0
+    for a, b in pairs:
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        diff += float(np.sum((a64 - b64) ** 2))
+        total += float(np.sum(b64**2))
+    return math.sqrt(diff / total)
+
+
+def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
+    """One workload: every way at every microbatch size, ``vmap(grad)`` with the last."""
+    start = time.perf_counter()
+    examples = w.batch[0].shape[0]
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(w.params))
+    ghost = mb.micro_grad(
+        w.loss, batch_argnums=w.batch_argnums, microbatch_size=sizes[0], l2_clip_norm=1.0
+    )
+    clipping = mb.clipping_report(ghost, *w.args)
+    print(f"{w.name}, batch {examples}: clipping_report\n{clipping}\n", flush=True)
+    coverage = ", ".join(f"{rule} {100 * f:.1f}%" for rule, f in clipping.coverage().items())
+    reference = warm_up(vmap_grad(w), w.args)
+    rows: list[str] = []
+    errors: list[tuple[float, str]] = []
+    for size in sizes:
+        warm: dict[str, Warm] = {}
+        for name, fn in ways(w, size).items():
+            warm[name] = warm_up(fn, w.args)
+            if name != PLAIN:
+                errors.append(
+                    (relative_error(warm[name].output, reference.output), f"{name}, {size}")
+                )
+        if size == sizes[-1]:
+            warm[VMAP] = reference
+        timed = {  # plain, the baseline, is always timed
+            name: x.compiled for name, x in warm.items() if x.first_s <= LIMIT_S or name == PLAIN
+        }
+        slow = [name for name in warm if name not in timed]
+        for name in slow:
+            print(
+                f"{w.name}, microbatch {size}, {name}: skipped: over {LIMIT_S:.0f} s per call "
+                f"({warm[name].first_s:.1f} s)",
+                flush=True,
+            )
+        seconds = interleaved(timed, w.args, reps)
+        for name, x in warm.items():
+            label = "whole batch" if name == VMAP else str(size)
+            if name in timed:
+                cells = f"{ms(seconds[name])} | {ratio(seconds[name], seconds[PLAIN])}"
+            else:
+                cells = f"skipped: over {LIMIT_S:.0f} s per call ({x.first_s:.1f} s) | "
+            rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {cells} |")
+    worst, where = max(errors)
+    optax_note = "" if OPTAX else " optax is not importable: its row is left out."
+    return "\n".join(
+        [
+            f"**{w.name}**; batch {examples}, float32, {count} parameters, {reps} repetitions. "
+            f"`clipping_report` of `l2_clip_norm=1.0`: method `{clipping.method}` "
+            f"({clipping.reason}), coverage of parameters: {coverage}.{optax_note}",
+            "",
+            "| microbatch | way | temp MiB | median ms | time / plain [quartiles] |",
+            "|---:|---|---:|---:|---:|",
+            *rows,
+            "",
+            f"Largest relative difference of a clipped sum from `vmap(grad)`: {worst:.1e} "
+            f"({where}). {time.perf_counter() - start:.0f} s for this table.",
+        ]
+    )
+
+
+def preamble(quick: bool) -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} CPUs, load average {load} at the start. Every way computes "
+        "`sum_b g_b * min(1, 1 / ||g_b||)` for the per-example gradients `g_b` of the "
+        "loss, except `plain` (`micro_grad` without clipping: one gradient of the summed "
+        "loss, the baseline of the ratios). `l2_clip_norm` is `l2_clip_norm=1.0` with "
+        "the default `clip_method='auto'` (the method it picks is named above each "
+        "table); `ghost`, `two_pass`, `chunked` and `materialize` force that "
+        "`clip_method`; `transform_fn=clip` and optax clip in `transform_fn`; "
+        "`vmap(grad)` is `jax.vmap(jax.grad(loss))` over the whole batch, clipped and "
+        "summed (it does not depend on the microbatch; it is timed with the last one). "
+        f"A way whose first call takes over {LIMIT_S:.0f} s is not timed."
+        + (" Quick run: batch 256." if quick else "")
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
+        examples = 256 if quick else 1024
+        sizes = [16, 64] if quick else [16, 64, 256]
+        count = max(3, reps // 4)  # the per-example ways take a second or more a call
+        out: list[Callable[[], str]] = [lambda: preamble(quick)]
+        for make in (mlp_workload, cnn_workload, block_workload):
+            out.append(lambda make=make: workload_table(make(examples), sizes, count))
+
+        def lm() -> str:
+            w = nnx_workload(examples)
+            if w is None:
+                print("flax is not importable: the Flax NNX workload is skipped.")
+                return "Flax NNX LM: skipped (flax is not importable)."
+            return workload_table(w, sizes, count)
+
+        out.append(lm)
+        return out
+
+    report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
