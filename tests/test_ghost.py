@@ -904,7 +904,8 @@ def test_nan_safe_needs_a_clip_norm():
 
 def test_normalize_by_must_be_positive():
     with pytest.raises(
-        ValueError, match=r"normalize_by must be a positive finite number, got normalize_by=0\."
+        ValueError,
+        match=r"normalize_by must be positive and finite, got normalize_by=0; pass e\.g\. 1\.0\.",
     ):
         micro_grad(mlp().loss, l2_clip_norm=CLIP, normalize_by=0)
 
@@ -1018,3 +1019,117 @@ def test_clipping_report_of_a_language_model():
     assert text.startswith("method: ghost")
     for leaf in report.leaves:
         assert leaf.path in text
+
+
+def test_auto_forms_per_example_gradients_where_they_cost_less():
+    """A 4x4 weight applied to 64 rows per example: its norm costs more flops than its
+    16-entry gradient, so "auto" takes per-example gradients, says so, and is exact."""
+    rng = np.random.default_rng(3)
+    w, x = normal(rng, 4, 4, scale=0.5), normal(rng, BATCH, 64, 4)
+    model = Model(lambda w, x: jnp.sum(jnp.tanh(x @ w)), w, (x,))
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, metrics_fn=microbatching.l2_norm)
+    report = microbatching.clipping_report(fn, w, x)
+    assert report.method == "materialize"
+    assert report.reason.startswith("forming the per-example gradients costs less")
+    got, aux = fn(w, x)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+    forced = grad_fn(model, l2_clip_norm=clip, clip_method="ghost")
+    assert microbatching.clipping_report(forced, w, x).method == "ghost"
+    assert_close(forced(w, x)[0], clipped_sum(grads, clip), terms=TERMS)
+
+
+# --- found by trying to break it ------------------------------------------------------
+
+
+@jax.custom_vjp
+def _clip_weight_gradient(w):
+    return w
+
+
+_clip_weight_gradient.defvjp(lambda w: (w, None), lambda _, c: (jnp.clip(c, -0.1, 0.1),))
+
+
+def _complex_rows(w, x):
+    return jnp.sum(jnp.abs(jnp.fft.fft(x, axis=-1) @ w) ** 2)
+
+
+def _heads_of_one_row(w, x):
+    return jnp.sum(jnp.sin(jnp.einsum("bhd,hde->bhe", x, w)))
+
+
+def _weight_through_custom_vjp(w, x):
+    return jnp.sum(jnp.sin(x @ _clip_weight_gradient(w)))
+
+
+def _weight_through_reduce_precision(w, x):
+    return jnp.sum(jnp.tanh(x @ jax.lax.reduce_precision(w, 5, 10)))
+
+
+BROKEN = {
+    # a real weight against complex rows: the Gram form has no real part (norms too small)
+    "complex rows": (_complex_rows, (4, 3), (6, 4)),
+    # one row per head: the norm is sum_h ||x_h||^2 ||g_h||^2, not their product of sums
+    "heads of one row": (_heads_of_one_row, (3, 4, 2), (3, 4)),
+    # the weights' own backward rule is not linear: each example's cotangent through it
+    "custom_vjp on a weight": (_weight_through_custom_vjp, (4, 3), (6, 4)),
+    "reduce_precision on a weight": (_weight_through_reduce_precision, (4, 3), (6, 4)),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+def test_models_that_broke_the_ghost_norms(name, method):
+    loss, w_shape, x_shape = BROKEN[name]
+    rng = np.random.default_rng(5)
+    w, x = normal(rng, *w_shape), normal(rng, BATCH, *x_shape)
+    model = Model(loss, w, (x,), keep_batch_dim=True)
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, metrics_fn=microbatching.l2_norm, clip_method=method)
+    got, aux = fn(w, x)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(got, clipped_sum(grads, clip), terms=TERMS)
+
+
+def test_an_empty_batch_gives_zeros_on_every_method():
+    w = jnp.ones((4, 2))
+    for method in ("auto", "ghost", "materialize"):
+        grads, _ = micro_grad(
+            lambda w, x: jnp.sum(jnp.sin(x @ w)), l2_clip_norm=1.0, clip_method=method
+        )(w, jnp.ones((0, 3, 4)))
+        assert_close(grads, jnp.zeros((4, 2)))
+
+
+def test_clipping_report_raises_the_calls_own_errors():
+    fn = micro_grad(lambda w, x: jnp.sum(x @ w), l2_clip_norm=1.0, microbatch_size=2)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        microbatching.clipping_report(fn, jnp.ones((4, 2)), jnp.ones((5, 3, 4)))
+
+
+def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error():
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='ghost', which sums the clipped gradients without forming them, "
+        r"but transform_fn, the accumulator or a batched argnums needs each example's",
+    ):
+        micro_grad(
+            lambda w, x: jnp.sum(x @ w),
+            l2_clip_norm=1.0,
+            clip_method="ghost",
+            transform_fn=lambda g: 2 * g,
+        )
+
+
+def test_normalize_by_may_be_traced():
+    w, x = jnp.ones((4, 2)), normal(np.random.default_rng(6), BATCH, 3, 4)
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+
+    @jax.jit
+    def halved(divisor):
+        return micro_grad(loss, l2_clip_norm=1.0, normalize_by=divisor)(w, x)[0]
+
+    whole = micro_grad(loss, l2_clip_norm=1.0)(w, x)[0]
+    assert_close(halved(jnp.float32(2.0)), whole / 2)

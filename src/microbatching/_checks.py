@@ -196,14 +196,7 @@ def ensure_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def ensure_positive(name: str, value: Any) -> float:
-    """A positive finite Python number."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < np.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {name}={value!r}.")
-    return float(value)
-
-
-def ensure_clip_norm(l2_clip_norm: Any) -> float | jax.Array | None:
+def ensure_clip_norm(l2_clip_norm: Any, name: str = "l2_clip_norm") -> float | jax.Array | None:
     """None, or a positive finite real scalar: a number or a 0-d array.
 
     A concrete value is checked and becomes a Python float, so the clipping math stays in
@@ -220,7 +213,7 @@ def ensure_clip_norm(l2_clip_norm: Any) -> float | jax.Array | None:
     )
     if not (real or is_int(l2_clip_norm) or isinstance(l2_clip_norm, float)):
         raise TypeError(
-            f"l2_clip_norm must be a positive number or None, got {l2_clip_norm=} of type "
+            f"{name} must be a positive number or None, got {name}={l2_clip_norm!r} of type "
             f"{type(l2_clip_norm).__name__}; pass a real scalar such as 1.0 or "
             "jnp.float32(1.0), not a bool or an array with axes."
         )
@@ -230,7 +223,7 @@ def ensure_clip_norm(l2_clip_norm: Any) -> float | jax.Array | None:
         return jax.numpy.asarray(l2_clip_norm)
     if not 0 < value < float("inf"):
         raise ValueError(
-            f"l2_clip_norm must be positive and finite, got {l2_clip_norm=}; pass e.g. 1.0, "
-            "or None for no clipping."
+            f"{name} must be positive and finite, got {name}={l2_clip_norm!r}; pass e.g. "
+            f"1.0{', or None for no clipping' if name == 'l2_clip_norm' else ''}."
         )
     return value

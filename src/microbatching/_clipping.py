@@ -96,7 +96,7 @@ class Clipping:
 
     bound: Any
     unit: bool = False
-    normalize_by: float = 1.0
+    normalize_by: Any = 1.0
     nan_safe: bool = False
 
     def groups(self, grads: PyTree) -> tuple[list[int], list[Any]]:
@@ -128,7 +128,8 @@ class Clipping:
         if self.nan_safe:
             finite = jnp.all(jnp.isfinite(norms), axis=1, keepdims=True)
             scale = jnp.where(finite, scale, jnp.zeros((), scale.dtype))
-        return scale / self.normalize_by if self.normalize_by != 1 else scale
+        plain = isinstance(self.normalize_by, float) and self.normalize_by == 1
+        return scale if plain else scale / self.normalize_by
 
     def per_leaf(self, norms: jax.Array, grads: PyTree) -> list[jax.Array]:
         """``(rows,)`` scale of each leaf of ``grads``, from the norms of its leaves."""

@@ -241,6 +241,29 @@ def _find_sites(program: Program) -> None:
             )
             program.sites.append(Site(index, free, data, linear))
     _share_cotangents(program)
+    _nonlinear_parameters(program)
+
+
+def _nonlinear_parameters(program: Program) -> None:
+    """Marks as not linear every site whose parameter inputs come through an equation
+    of the parameters-only program that is not linear in its cotangent (a ``custom_vjp``
+    on a weight, ``reduce_precision``): the clipped sum must pull each example's
+    cotangent through it, not their sum."""
+    tainted: set[int] = set()
+    for e in program.eqns:
+        if not all(program.free(a) for a in e.ins):
+            continue
+        keys = [a for a in e.ins if not isinstance(a, Const)]
+        nonlinear = e.primitive.name in NONLINEAR_IN_COTANGENT | {"reduce_precision"} or any(
+            _programs.calls(inner, NONLINEAR_IN_COTANGENT | {"reduce_precision"})
+            for inner in _bodies(e)
+        )
+        if nonlinear or any(a in tainted for a in keys):
+            tainted.update(e.outs)
+    for k, site in enumerate(program.sites):
+        e = program.eqns[site.eqn]
+        if site.linear and any(e.ins[p] in tainted for p in site.free):
+            program.sites[k] = dataclasses.replace(site, linear=False)
 
 
 def _share_cotangents(program: Program) -> None:
@@ -295,6 +318,11 @@ def _rule(program: Program, leaf: int) -> Rule:
     site = program.sites[min(reached)]
     if len(site.free) != 1 or _chain_end(program, leaf) != _key(program, site, site.free[0]):
         return direct
+    e = program.eqns[site.eqn]
+    values = [a for a in (*e.ins, *e.outs) if not isinstance(a, Const)]
+    if any(jnp.issubdtype(program.avals[a].dtype, jnp.complexfloating) for a in values):
+        return direct  # the Gram forms are for real rows; a real weight's gradient of
+        # complex rows is the real part of their product
     cost = _gram_cost(program, site)
     if cost is None:
         return direct
@@ -756,8 +784,9 @@ def _product_norm(xs: jax.Array, gs: jax.Array) -> jax.Array:
     matrices of the rows, or from the product itself, whichever takes fewer flops."""
     _, t, k = xs.shape
     n = gs.shape[2]
-    if t == 1:
-        return _clipping.norm(xs) * _clipping.norm(gs)
+    if t == 1:  # per shared entry h, ||x_h|| ||g_h||
+        h = xs.shape[0]
+        return _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
     xs, mx = _scaled(xs)
     gs, mg = _scaled(gs)
     if t * t * (k + n) <= t * k * n:

@@ -70,10 +70,32 @@ def micro_grad(
       num_real_microbatches: See ``microbatch``.
       l2_clip_norm: If set, each example's gradient is first scaled by
         ``min(1, l2_clip_norm / ||g_b||)``, its L2 norm taken over the whole gradient
-        tree, then given to ``transform_fn``: the clipping of DP-SGD. With the default
-        ``transform_fn`` and SUM or MEAN this never forms the clipped per-example
-        gradients: it computes the norms, then one gradient of the loss weighted by the
-        clip factors. ``metrics_fn`` sees the gradients before clipping.
+        tree, then given to ``transform_fn``: the clipping of DP-SGD. A pytree that is a
+        prefix of the gradient clips each subtree by its own norm and bound (per-layer
+        clipping). A traced value (``micro_grad`` built inside ``jit``) changes without
+        recompiling. With the default ``transform_fn`` and SUM or MEAN the clipped
+        per-example gradients are never formed; ``clip_method`` says how the norms and
+        the sum are computed. ``metrics_fn`` sees the gradients before clipping.
+      rescale_to_unit_norm: With ``l2_clip_norm``, divide each clipped gradient by its
+        bound, so that every example contributes a norm of at most 1.
+      normalize_by: With ``l2_clip_norm``, divide the clipped gradients by this.
+      nan_safe: With ``l2_clip_norm``, an example whose gradient norm is not finite
+        (NaN or inf) contributes zero instead of making the sum NaN; the norms in
+        ``Aux.metrics`` (``metrics_fn=l2_norm``) show which examples those were.
+      clip_method: How the clipped sum and the norms are computed with the default
+        ``transform_fn`` and SUM or MEAN; every method is exact:
+
+        - ``"ghost"``: each parameter's per-example norm is read off the traced program
+          of one example's loss, from the inputs and output cotangents of the layers
+          that use it (dense, convolution, embedding), without forming its gradient;
+          the clipped sum is one more product per layer at the scaled cotangents.
+        - ``"two_pass"``: ghost norms, then the gradient of the loss weighted by the
+          clip factors.
+        - ``"chunked"``: per-example gradients a chunk of rows at a time for the norms,
+          then that weighted gradient.
+        - ``"materialize"``: per-example gradients, scaled and summed.
+        - ``"auto"`` (default): ``"ghost"`` or ``"materialize"``, whichever a cost
+          model finds cheaper for the call; ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
       progress: See ``microbatch``.
@@ -154,6 +176,13 @@ def micro_grad(
     is_summed = transform is identity and _accumulators.is_linear(accumulators)
     is_summed = is_summed and not batched_grad
     wanted = clipping is not None or metrics is _per_example.l2_norm
+    if method in ("ghost", "two_pass", "chunked") and not is_summed:
+        raise ValueError(
+            f"micro_grad was given clip_method={method!r}, which sums the clipped "
+            "gradients without forming them, but transform_fn, the accumulator or a "
+            "batched argnums needs each example's gradient; pass clip_method='auto' or "
+            "'materialize', or drop transform_fn and use SUM or MEAN."
+        )
 
     def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ClippingReport:
         kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
@@ -196,18 +225,15 @@ def _clipping_of(
     """The clipping options, checked together."""
     bound = _checks.ensure_clip_bound(l2_clip_norm)
     unit = _checks.ensure_bool("rescale_to_unit_norm", rescale_to_unit_norm)
-    divide = _checks.ensure_positive("normalize_by", normalize_by)
+    divide = _checks.ensure_clip_norm(normalize_by, "normalize_by")
+    if divide is None:
+        raise TypeError("normalize_by must be a positive number, got None; pass e.g. 1.0.")
     safe = _checks.ensure_bool("nan_safe", nan_safe)
     if bound is None:
-        given = [
-            f"{name}={value!r}"
-            for name, value, default in [
-                ("rescale_to_unit_norm", unit, False),
-                ("normalize_by", divide, 1.0),
-                ("nan_safe", safe, False),
-            ]
-            if value != default
-        ]
+        given = [f"rescale_to_unit_norm={unit}"] if unit else []
+        if not (isinstance(divide, float) and divide == 1.0):
+            given.append(f"normalize_by={normalize_by!r}")
+        given += [f"nan_safe={safe}"] if safe else []
         if given:
             raise ValueError(
                 f"micro_grad was given {', '.join(given)} without l2_clip_norm; these "

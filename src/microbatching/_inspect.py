@@ -114,6 +114,7 @@ def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -
             f"clipping_report needs a function returned by micro_grad, got {grad_fn!r}; "
             "pass micro_grad(loss, ...) itself, not a jitted or transformed copy."
         )
+    jax.eval_shape(grad_fn, *args, **kwargs)  # the call's own errors, first
     found: list[ClippingReport] = []
 
     def trace(args: Any, kwargs: Any) -> int:

@@ -229,6 +229,8 @@ def summed(
     def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         scaled = clipping is not None or given is not None
         wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
+        if not _first_batched(example.axes, args, kwargs).shape[0]:
+            return explicit(given, *args, **kwargs)  # an empty batch: nothing to read
         if wanted and method in ("auto", "ghost"):
             out = ghost(example, clipping, norms_only, requested, given, args, kwargs, method)
             if not isinstance(out, str):
