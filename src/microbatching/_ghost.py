@@ -341,17 +341,26 @@ def ghost_cost(program: Program) -> int:
     return sum(rule.flops for rule in program.rules)
 
 
-MATERIALIZE_FLOPS_PER_ENTRY = 25
-"""What forming, reading and scaling one entry of a per-example gradient costs, in flops
-of the ghost norms' products: measured on 2 CPU cores as the point where ghost and
-per-example gradients take the same time (a transformer block of 85k parameters, whose
-norms cost about 2.1 Mflop per example, at 1.24x and 1.28x a plain step)."""
+MATERIALIZE_FLOPS_PER_ENTRY = 12
+"""What forming, reading, scaling and summing one entry of a per-example gradient costs,
+in flops of the ghost norms' products. Calibrated on 2 CPU cores with
+``benchmarks/clipping.py``: on its transformer block (85k parameters, norms of 1.6
+Mflop per example) per-example gradients took 1.16-1.24x a plain step against ghost's
+1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x."""
 
 
 def materialize_cost(program: Program) -> int:
-    """Per-example cost, in the same flops, of forming every per-example gradient."""
+    """Per-example cost, in the same flops, of forming every per-example gradient: its
+    entries, and the products of a convolution's kernel gradient, which XLA computes one
+    example at a time (a grouped convolution) instead of as one product over the batch."""
     size = sum(math.prod(program.avals[leaf].shape) for leaf in range(program.n_params))
-    return MATERIALIZE_FLOPS_PER_ENTRY * size
+    convolutions = sum(
+        math.prod(_conv_dims(program, program.eqns[site.eqn]))
+        for site in program.sites
+        if program.eqns[site.eqn].primitive.name == "conv_general_dilated"
+        and site.free == (1,)
+    )
+    return MATERIALIZE_FLOPS_PER_ENTRY * size + convolutions
 
 
 def _key(program: Program, site: Site, position: int) -> int:
