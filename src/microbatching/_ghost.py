@@ -357,8 +357,7 @@ def materialize_cost(program: Program) -> int:
     convolutions = sum(
         math.prod(_conv_dims(program, program.eqns[site.eqn]))
         for site in program.sites
-        if program.eqns[site.eqn].primitive.name == "conv_general_dilated"
-        and site.free == (1,)
+        if program.eqns[site.eqn].primitive.name == "conv_general_dilated" and site.free == (1,)
     )
     return MATERIALIZE_FLOPS_PER_ENTRY * size + convolutions
 

@@ -99,7 +99,7 @@ def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -
     >>> import jax.numpy as jnp
     >>> import microbatching
     >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w["kernel"] + w["bias"]))
-    >>> grad_fn = microbatching.micro_grad(loss, l2_clip_norm=1.0)
+    >>> grad_fn = microbatching.micro_grad(loss, keep_batch_dim=False, l2_clip_norm=1.0)
     >>> params = {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}
     >>> report = microbatching.clipping_report(grad_fn, params, jnp.ones((8, 3)))
     >>> report.method
