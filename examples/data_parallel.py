@@ -41,7 +41,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
-from microbatching import micro_grad
+from microbatching import l2_norm, micro_grad
 
 Params = dict[str, jax.Array]
 
@@ -96,7 +96,7 @@ def make_step(batch_size: int, microbatch_size: int) -> Any:
         batch_argnums=(1, 2),
         microbatch_size=microbatch_size,
         transform_fn=clip,
-        metrics_fn=global_norm,
+        metrics_fn=l2_norm,
     )
 
     def step(

@@ -37,7 +37,7 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import microbatching
-from microbatching import micro_grad
+from microbatching import l2_norm, micro_grad
 
 Params = dict[str, jax.Array]
 Step = Callable[..., tuple[Params, jax.Array, jax.Array]]
@@ -94,11 +94,6 @@ def loss_fn(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
-def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all leaves of a pytree taken together."""
-    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(tree)))
-
-
 def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
     """Independent N(0, std^2) noise with the structure and shapes of ``tree``."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -117,7 +112,7 @@ def make_step(batch_size: int, microbatch_size: int | None) -> Step:
         batch_argnums=(1, 2),
         microbatch_size=microbatch_size,
         l2_clip_norm=CLIP_NORM,
-        metrics_fn=global_norm,
+        metrics_fn=l2_norm,
     )
 
     def step(

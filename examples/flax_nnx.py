@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from microbatching import AccumulationType, micro_grad, microbatch
+from microbatching import AccumulationType, l2_norm, micro_grad, microbatch
 
 NUM_FEATURES = 32
 NUM_CLASSES = 10
@@ -121,7 +121,7 @@ def make_dp_sgd_step(microbatch_size: int, clip_norm: float, noise_multiplier: f
             batch_argnums=(1, 2),
             microbatch_size=microbatch_size,
             l2_clip_norm=clip_norm,
-            metrics_fn=global_norm,  # each example's gradient norm, before clipping
+            metrics_fn=l2_norm,  # each example's gradient norm, before clipping
         )
         summed, aux = clipped_sum(params, x, y)
         noisy = add_noise(summed, key, noise_multiplier * clip_norm)

@@ -1133,3 +1133,27 @@ def test_normalize_by_may_be_traced():
 
     whole = micro_grad(loss, l2_clip_norm=1.0)(w, x)[0]
     assert_close(halved(jnp.float32(2.0)), whole / 2)
+
+
+def test_clipping_report_says_when_metrics_fn_needs_the_gradients():
+    model = mlp()
+    norm = lambda g: jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))  # noqa: E731
+    report = microbatching.clipping_report(
+        grad_fn(model, l2_clip_norm=CLIP, metrics_fn=norm), model.params, *model.batch
+    )
+    assert report.method == "chunked"
+    assert report.reason.startswith("metrics_fn needs each example's gradient")
+    fast = grad_fn(model, l2_clip_norm=CLIP, metrics_fn=microbatching.l2_norm)
+    assert microbatching.clipping_report(fast, model.params, *model.batch).method == "ghost"
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_traced_bound_that_is_not_positive_and_finite_makes_the_sum_nan(bound):
+    model = mlp()
+
+    @jax.jit
+    def step(c):
+        return grad_fn(model, l2_clip_norm=c)(model.params, *model.batch)[0]
+
+    assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(step(jnp.float32(bound))))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(step(jnp.float32(CLIP))))

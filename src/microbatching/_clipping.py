@@ -121,6 +121,9 @@ class Clipping:
         rows = norms.shape[0]
         columns = []
         for group, bound in enumerate(bounds):
+            if not isinstance(bound, float):  # traced: a bound that is not positive and
+                # finite makes the sum NaN, where it would silently flip or drop it
+                bound = jnp.where((bound > 0) & jnp.isfinite(bound), bound, jnp.nan)
             members = [leaf for leaf, g in enumerate(groups) if g == group]
             scale = factor(row_norms(norms[:, members], rows), bound)
             columns.append(scale / bound if self.unit else scale)

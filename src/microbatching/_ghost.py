@@ -608,6 +608,16 @@ def _direct_sites(program: Program, leaves: Sequence[int]) -> list[int]:
     return sorted({k for leaf in leaves for k in program.rules[leaf].sites})
 
 
+def _free_with(
+    program: Program, params: Sequence[Any], leaves: Sequence[int], values: Sequence[Any]
+) -> dict[int, Any]:
+    """``free_values`` with ``values`` in place of the parameter ``leaves``."""
+    full = list(params)
+    for leaf, v in zip(leaves, values, strict=True):
+        full[leaf] = v
+    return free_values(program, full)
+
+
 def _per_example_grads(
     program: Program, params: Sequence[Any], leaves: Sequence[int], sites: Sequence[int]
 ) -> Callable[[Any, Any], list[Any]]:
@@ -615,10 +625,7 @@ def _per_example_grads(
 
     def grads(inputs: Sequence[Any], cotangents: Sequence[Any]) -> list[Any]:
         def outs_of(values: Sequence[Any]) -> list[Any]:
-            full = list(params)
-            for leaf, v in zip(leaves, values, strict=True):
-                full[leaf] = v
-            env = free_values(program, full)
+            env = _free_with(program, params, leaves, values)
             return [
                 _site_outputs(program, program.sites[k], env, a)
                 for k, a in zip(sites, inputs, strict=True)
@@ -718,10 +725,7 @@ def _scaled_products(
         return [jnp.zeros_like(params[leaf]) for leaf in leaves]
 
     def outs_of(values: Sequence[Any]) -> list[Any]:
-        full = list(params)
-        for leaf, v in zip(leaves, values, strict=True):
-            full[leaf] = v
-        env = free_values(program, full)
+        env = _free_with(program, params, leaves, values)
         return [
             jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(
                 _zero_rows(seen.inputs[k], keep) if clean else seen.inputs[k]

@@ -188,7 +188,10 @@ def micro_grad(
         kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
         args, kwargs = axes.to_positions(args, kwargs)
         dtype = settings.accumulation_dtype
-        return _per_example.describe(example, wanted, is_summed, method, dtype, args, kwargs)
+        gradient_metrics = metrics not in (no_metrics, _per_example.l2_norm)
+        return _per_example.describe(
+            example, wanted, is_summed, method, dtype, args, kwargs, gradient_metrics
+        )
 
     if is_summed:
         measure = None if metrics is no_metrics else metrics

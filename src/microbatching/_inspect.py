@@ -20,10 +20,11 @@ class LeafRule:
     Attributes:
       path: The leaf in the differentiated arguments, e.g. ``[0]['dense']['kernel']``.
       shape: Its shape.
-      rule: ``dense`` or ``embedding`` (from the activations and output cotangents of its
-        one site, never forming its gradient), ``direct`` (its own per-example gradient,
-        a chunk of examples at a time), ``unused`` (no gradient), or ``per-example`` (the
-        whole per-example gradient is formed: not the ghost method).
+      rule: ``dense``, ``conv`` or ``embedding`` (from the activations and output
+        cotangents of its one site, never forming its gradient), ``direct`` (its own
+        per-example gradient, a chunk of examples at a time), ``unused`` (no gradient),
+        or ``per-example`` (the whole per-example gradient is formed: not the ghost
+        method).
       sites: The primitives where the leaf meets the data.
       flops: Per-example flops (or entries, for ``direct``) of its norm.
 
@@ -61,7 +62,8 @@ class ClippingReport:
     leaves: tuple[LeafRule, ...]
 
     def coverage(self) -> dict[str, float]:
-        """The fraction of the parameters' entries that each rule covers."""
+        """The fraction of the parameters' entries (their count, not their bytes) that
+        each rule covers, as the second line of ``str(report)`` shows it."""
         total = sum(math.prod(leaf.shape) for leaf in self.leaves)
         out: dict[str, float] = {}
         for leaf in self.leaves:

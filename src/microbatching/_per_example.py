@@ -458,9 +458,11 @@ def describe(
     requested: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    gradient_metrics: bool = False,
 ) -> ClippingReport:
     """What ``summed`` or ``per_example`` does for a call with these arguments (whole
-    batch), as ``clipping_report`` shows it."""
+    batch), as ``clipping_report`` shows it. ``gradient_metrics``: a ``metrics_fn``
+    other than ``l2_norm``, which needs each example's gradient."""
     split = _split(example, args, kwargs)
     paths = [
         jax.tree_util.keystr(p)
@@ -481,6 +483,16 @@ def describe(
         return dataclasses.replace(each("unused", "no clipping and no norms"), method="plain")
     if method in ("chunked", "materialize"):
         return dataclasses.replace(each("per-example", "asked for"), method=method)
+    if gradient_metrics:
+        losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
+        exact = _summed_is_exact(example, losses, requested, True, args, kwargs)
+        why = (
+            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
+            "gives the norms without them)"
+        )
+        return dataclasses.replace(
+            each("per-example", why), method="chunked" if exact else "materialize"
+        )
     program = _analyse(split, requested)
     if isinstance(program, str):
         if method in ("ghost", "two_pass"):
