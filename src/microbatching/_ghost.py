@@ -580,7 +580,7 @@ def _zeros(aval: Any) -> jax.Array:
 
 def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.Array:
     """Each example's gradient norm of each parameter leaf, ``(examples, leaves)``."""
-    rows = jnp.shape(program_value(seen))[0]
+    rows = jnp.shape(seen.outs[0])[0]
     columns: list[jax.Array] = [jnp.zeros((rows,), jnp.float32)] * program.n_params
     for leaf, rule in enumerate(program.rules):
         if rule.name in GRAM_NORMS:
@@ -598,10 +598,6 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
             columns[leaf] = norms
     wide = jnp.result_type(*columns) if columns else jnp.float32
     return jnp.stack([c.astype(wide) for c in columns], axis=1) if columns else jnp.zeros((rows, 0))
-
-
-def program_value(seen: Recorded) -> Any:
-    return seen.outs[0]
 
 
 def _direct_sites(program: Program, leaves: Sequence[int]) -> list[int]:
