@@ -6,12 +6,13 @@ Two ways to compute a microbatch's contribution:
   This is what a ``transform_fn`` or a custom accumulator needs.
 - ``summed``: when the transform is the identity and the accumulation is a sum or a
   mean, the aggregate of the per-example gradients is the gradient of the summed loss,
-  one backward pass with matrix products instead of one per example. Clipping scales
-  each example's loss by its clip factor, held fixed: the gradient of the weighted sum
-  is the sum of the clipped gradients. The factors need the norms of the per-example
-  gradients, which XLA computes without keeping the gradients. That equality holds
-  only where ``_summed_is_exact`` proves it for the call's traced loss; elsewhere
-  ``summed`` forms the per-example gradients (``explicit``).
+  one backward pass with matrix products instead of one per example. That equality
+  holds only where ``_summed_is_exact`` proves it for the call's traced loss; elsewhere
+  ``summed`` forms the per-example gradients (``explicit``). With clipping (or
+  ``metrics_fn=l2_norm``) it takes the method of ``clip_method``: ``ghost`` reads the
+  norms off the traced program and sums by book-keeping (``_ghost``); ``two_pass`` and
+  ``chunked`` scale each example's loss by its clip factor, held fixed, and take the
+  gradient of the weighted sum; ``materialize`` is ``explicit``.
 """
 
 from __future__ import annotations
