@@ -484,24 +484,25 @@ def describe(
         return dataclasses.replace(each("unused", "no clipping and no norms"), method="plain")
     if method in ("chunked", "materialize"):
         return dataclasses.replace(each("per-example", "asked for"), method=method)
-    if gradient_metrics:
+
+    def per_example_gradients(why: str) -> ClippingReport:
+        """``rows`` without the ghost norms: chunked where the weighted loss is exact."""
         losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
         exact = _summed_is_exact(example, losses, requested, True, args, kwargs)
-        why = (
-            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
-            "gives the norms without them)"
-        )
         return dataclasses.replace(
             each("per-example", why), method="chunked" if exact else "materialize"
+        )
+
+    if gradient_metrics:
+        return per_example_gradients(
+            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
+            "gives the norms without them)"
         )
     program = _analyse(split, requested)
     if isinstance(program, str):
         if method in ("ghost", "two_pass"):
             raise ValueError(_NO_GHOST.format(method=method, reason=program))
-        losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
-        exact = _summed_is_exact(example, losses, requested, True, args, kwargs)
-        chosen = "chunked" if exact else "materialize"
-        return dataclasses.replace(each("per-example", program), method=chosen)
+        return per_example_gradients(program)
     leaves = tuple(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops)
         for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
