@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from . import _accumulators, _checks, _clipping, _layout, _per_example, _signature, _vmap
+from . import _accumulators, _checks, _clipping, _fsdp, _layout, _per_example, _signature, _vmap
 from ._accumulators import AccumulationType
 from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
@@ -34,6 +35,8 @@ def micro_grad(
     clip_method: str = "auto",
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
+    gather_params: str = "once",
+    reduce_gradients: str | None = None,
     progress: bool = False,
     allow_remainder: bool = False,
 ) -> Callable[..., tuple[PyTree, Aux]]:
@@ -98,6 +101,18 @@ def micro_grad(
           model finds cheaper for the call; ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
+      gather_params: Where differentiated arguments that are sharded over the batch's
+        mesh axes (FSDP) are made whole: ``"once"`` before the loop (their full size on
+        every device, one all-gather per step) or ``"per_microbatch"`` inside each
+        microbatch (the full copy lives only while it runs; one all-gather per
+        microbatch).
+      reduce_gradients: Where the gradients of such arguments are added over the
+        devices: ``"per_microbatch"`` reduce-scatters each microbatch's gradient into a
+        sum sharded like the parameters (``1/N`` of their size per device, one
+        reduce-scatter per microbatch); ``"after_loop"`` keeps a full-size partial sum
+        per device and reduces it once. None (default) takes ``"per_microbatch"`` for
+        sharded parameters. Both options apply where the layout can be read: on an
+        Explicit mesh, or for concrete arrays; see the multi-device guide.
       progress: See ``microbatch``.
       allow_remainder: See ``micro_vmap``.
 
@@ -158,6 +173,12 @@ def micro_grad(
         _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     clipping = _clipping_of(l2_clip_norm, rescale_to_unit_norm, normalize_by, nan_safe)
+    trade = _fsdp.Trade(
+        _checks.ensure_choice("gather_params", gather_params, _fsdp.GATHER),
+        None
+        if reduce_gradients is None
+        else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
+    )
     method = _checks.ensure_choice("clip_method", clip_method, _per_example.METHODS)
     if method in ("two_pass", "chunked") and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
         raise ValueError(
@@ -193,13 +214,46 @@ def micro_grad(
             example, wanted, is_summed, method, dtype, args, kwargs, gradient_metrics
         )
 
+    measure = None if metrics is no_metrics else metrics
     if is_summed:
-        measure = None if metrics is no_metrics else metrics
         summed = _per_example.summed(example, accumulators, clipping, measure, settings, method)
         looped = _vmap.loop_over(summed, axes, settings)
     else:
         per_example = _per_example.per_example(example, clipping, transform, metrics)
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
+    per_shard = is_summed and _fsdp.supports(accumulators, settings.count)
+    sums = _fsdp.sums_only(accumulators)
+    local_summed = _per_example.summed(example, sums, clipping, measure, settings, method)
+    local_loops: dict[Any, Any] = {}
+
+    def local_loop(layout: _fsdp.Layout, size: int) -> Any:
+        """The loop over one device's rows, inside the shard_map of ``_fsdp.run``."""
+        key = (layout, size)
+        if key not in local_loops:
+            nums = example.nums()
+
+            def body(weights: Any, *args: Any, **kwargs: Any) -> Any:
+                if layout.gather_per_microbatch:
+                    anchor = _per_example.first_batched(axes, args, kwargs)
+                    args = layout.gather(args, nums, anchor)
+                grads, aux = local_summed(weights, *args, **kwargs)
+                return (layout.reduce(grads) if layout.reduce_per_microbatch else grads), aux
+
+            inner = dataclasses.replace(
+                settings,
+                size=size,
+                mesh_axes=None,
+                accumulator=(sums, AccumulationType.CONCAT),
+                progress=False,
+            )
+            loop = _vmap.loop_over(body, axes, inner)
+
+            def call(args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any) -> Any:
+                extra = {} if weights is None else {"example_weights": weights}
+                return loop(*args, **kwargs, **extra)
+
+            local_loops[key] = call
+        return local_loops[key]
 
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
 
@@ -209,15 +263,37 @@ def micro_grad(
         positional, named = axes.to_positions(args, kwargs)
         example.check_differentiable(positional)
         unsplit.check(positional)
+        nums = example.nums()
+        first = _per_example.first_batched(axes, positional, named)
+        layout = _fsdp.layout(
+            first, jax.tree.leaves([positional[i] for i in nums]), settings.mesh_axes, trade
+        )
+        size = settings.size
+        if layout is not None and per_shard and size is not None and size % layout.count == 0:
+            named = dict(named)
+            weights = named.pop("example_weights", None)
+
+            def means(grads: PyTree, total: Any) -> PyTree:
+                return _fsdp.divide_means(accumulators, grads, total)
+
+            return _fsdp.run(
+                layout,
+                local_loop(layout, size // layout.count),
+                example.argnums,
+                lambda where: axes.spec(where) is not None,
+                positional,
+                named,
+                weights,
+                means,
+            )
+        positional = _fsdp.gathered_once(layout, nums, positional)
         if gather and settings.mesh_axes:
             # The per-example norms read every parameter on every shard: gathered once
             # here, not once per microbatch by XLA inside the loop.
-            nums = example.nums()
             positional = tuple(
                 _layout.replicated(a) if i in nums else a for i, a in enumerate(positional)
             )
-            return looped(*positional, **named)
-        return looped(*args, **kwargs)
+        return looped(*positional, **named)
 
     return wraps(fun, checked, axes, settings, weights=True, describe=describe)
 

@@ -223,14 +223,14 @@ def summed(
         measured = None if metrics is None else jax.vmap(metrics)(grads)
         if clipping is None:
             return measured, None
-        rows = _first_batched(example.axes, args, kwargs).shape[0]
+        rows = first_batched(example.axes, args, kwargs).shape[0]
         scale = clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
         return measured, scale[0] if scale else jnp.ones((rows,))
 
     def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         scaled = clipping is not None or given is not None
         wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
-        if not _first_batched(example.axes, args, kwargs).shape[0]:
+        if not first_batched(example.axes, args, kwargs).shape[0]:
             return explicit(given, *args, **kwargs)  # an empty batch: nothing to read
         if wanted and method in ("auto", "ghost"):
             out = ghost(example, clipping, norms_only, requested, given, args, kwargs, method)
@@ -310,7 +310,7 @@ def summed(
 
     def per_microbatch(weights: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         with jax.named_scope("micro_grad_step"):
-            first = _first_batched(example.axes, args, kwargs)
+            first = first_batched(example.axes, args, kwargs)
             where = _layout.shards(first, 0, mesh_axes)
             if where is None:
                 grads, aux = rows(weights, *args, **kwargs)
@@ -578,7 +578,7 @@ def _in_chunks(
 ) -> Any:
     """``fn`` of a microbatch, computed a chunk of rows at a time; results per row."""
     axes = example.axes
-    rows = _first_batched(axes, args, kwargs).shape[0]
+    rows = first_batched(axes, args, kwargs).shape[0]
     per_row = sum(
         np.size(x) * jnp.result_type(x).itemsize
         for i in example.nums()
@@ -615,7 +615,7 @@ def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def _first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for where, arg in [*enumerate(args), *kwargs.items()]:
         if axes.spec(where) is not None and jax.tree.leaves(arg):
             return jax.tree.leaves(arg)[0]
