@@ -89,8 +89,7 @@ def test_signatures_follow_the_spec():
         "clip_method",
         "accumulation_dtype",
         "batch_mesh_axes",
-        "gather_params",  # issue 15
-        "reduce_gradients",
+        "reduce_gradients",  # issue 15
         "progress",
         "allow_remainder",
     ]

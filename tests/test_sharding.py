@@ -306,3 +306,108 @@ def test_micro_vmap_on_an_explicit_mesh_takes_a_batch_not_on_the_mesh_with_a_rem
         warnings.simplefilter("error")
         got = fun(SIN_X)
     assert_close(got, np.sum(np.sin(np.asarray(SIN_X, np.float64) @ np.asarray(SIN_W, np.float64))))
+
+
+def _fsdp_setup(axis_type):
+    mesh = _mesh(axis_type)
+    params = {
+        "w1": random_array(6, (64, 128), jnp.float32) / 8,
+        "w2": random_array(7, (128, 8), jnp.float32) / 11,
+    }
+    x, y = random_array(8, (512, 64), jnp.float32), random_array(9, (512, 8), jnp.float32)
+    return mesh, params, x, y
+
+
+def _per_example_grads(params, x, y):
+    return jax.vmap(jax.grad(lambda p, a, b: _two_layer(p, a[None], b[None])), (None, 0, 0))(
+        params, x, y
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"accumulator": AccumulationType.MEAN},
+        {"l2_clip_norm": 0.05},
+        {"l2_clip_norm": 0.05, "clip_method": "materialize"},
+        {"reduce_gradients": "after_loop", "accumulator": AccumulationType.MEAN},
+    ],
+    ids=["sum", "mean", "ghost", "materialize", "after_loop"],
+)
+def test_fsdp_parameters_on_an_explicit_mesh(options):
+    """Issue 15: parameters sharded like ``P("data", None)`` on an Explicit mesh (this
+    failed before): exact, the gradients come back sharded like the parameters, and the
+    loop body holds one reduce-scatter per leaf (per microbatch) or none (after the loop),
+    and nothing that moves batch data."""
+    mesh, params, x, y = _fsdp_setup(AxisType.Explicit)
+    weights = (jnp.arange(512) % 3).astype(jnp.float32)
+    per_example = _per_example_grads(params, x, y)
+    scale = weights
+    if "l2_clip_norm" in options:
+        norms = jnp.sqrt(sum(jnp.sum(g.reshape(512, -1) ** 2, 1) for g in per_example.values()))
+        scale = scale * jnp.minimum(1.0, 0.05 / norms)
+    want = {k: jnp.tensordot(scale, g, 1) for k, g in per_example.items()}
+    if options.get("accumulator") is AccumulationType.MEAN:
+        want = {k: g / jnp.sum(weights) for k, g in want.items()}
+    grad_fn = micro_grad(_two_layer, batch_argnums=(1, 2), microbatch_size=64, **options)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P("data", None)))
+        xs, ys, ws = jax.device_put((x, y, weights), NamedSharding(mesh, P("data")))
+        grads, aux = jax.jit(grad_fn)(p, xs, ys, example_weights=ws)
+        in_loop = collectives_in_loops(grad_fn, p, xs, ys)  # weights put the body in a cond
+    assert_close(grads, want, terms=64)
+    assert aux.values.shape == (512,)
+    for g in grads.values():
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+    per_microbatch = options.get("reduce_gradients") != "after_loop"
+    assert in_loop["reduce-scatter"] == (2 if per_microbatch else 0)
+    assert {k: in_loop[k] for k in ("all-gather", "all-to-all", "collective-permute")} == {
+        "all-gather": 0,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
+
+
+def test_fsdp_gradient_carry_is_sharded_per_microbatch():
+    """Issue 15: reducing per microbatch keeps the gradient sum at 1/8 of the parameters
+    per device; reducing after the loop keeps a full-size partial sum on each device."""
+    mesh = _mesh(AxisType.Explicit)
+    params = {"w1": random_array(10, (512, 512), jnp.float32) / 22, "w2": W}
+    params["w2"] = random_array(11, (512, 8), jnp.float32) / 22
+    x, y = random_array(12, (256, 512), jnp.float32), random_array(13, (256, 8), jnp.float32)
+    common = {"batch_argnums": (1, 2), "microbatch_size": 64}
+    sharded = micro_grad(_two_layer, **common)
+    partial = micro_grad(_two_layer, reduce_gradients="after_loop", **common)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P("data", None)))
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        small, large = temp_bytes(sharded, p, xs, ys), temp_bytes(partial, p, xs, ys)
+    size = sum(v.size * 4 for v in params.values())  # 1 MiB: gathered once in both
+    assert large - small >= 0.8 * size * (1 - 1 / 8)  # the full-size partial sum
+    assert small <= 2.2 * size
+
+
+def test_fsdp_parameters_passed_concretely_on_an_auto_mesh():
+    """On an Auto mesh the layout is read from concrete arrays: an eager call runs per
+    shard, and its gradients come back sharded like the parameters."""
+    mesh, params, x, y = _fsdp_setup(AxisType.Auto)
+    want = jax.tree.map(lambda g: jnp.sum(g, 0), _per_example_grads(params, x, y))
+    grad_fn = micro_grad(
+        _two_layer, batch_argnums=(1, 2), microbatch_size=64, batch_mesh_axes="data"
+    )
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P("data", None)))
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        grads, _ = grad_fn(p, xs, ys)
+    assert_close(grads, want, terms=64)
+    for g in grads.values():
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+
+
+def test_reduce_gradients_must_be_a_known_choice():
+    with pytest.raises(
+        ValueError,
+        match=r"reduce_gradients must be one of \('per_microbatch', 'after_loop'\), got reduce_gradients='always'\.",
+    ):
+        micro_grad(_two_layer, batch_argnums=(1, 2), reduce_gradients="always")

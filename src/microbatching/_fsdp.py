@@ -3,18 +3,13 @@ and where their gradients are reduced.
 
 When ``micro_grad``'s differentiated arguments are split over the same mesh axes as the
 batch, every device needs them whole to take its rows' gradients, and each device's
-gradient sum covers only its rows. Two choices trade memory per device against
-collectives per microbatch (``P`` is the parameters' size, ``N`` the number of shards):
-
-- ``gather_params``: ``"once"`` gathers the parameters before the loop (``P`` per device,
-  one all-gather per leaf per step); ``"per_microbatch"`` gathers them inside each
-  microbatch, so the whole copy lives only while that microbatch runs (one all-gather per
-  leaf per microbatch).
-- ``reduce_gradients``: ``"per_microbatch"`` reduce-scatters each microbatch's gradient
-  into a sum sharded like the parameters (a carry of ``P / N`` per device, one
-  reduce-scatter per leaf per microbatch); ``"after_loop"`` keeps a full-size partial sum
-  on each device and reduce-scatters it once (a carry of ``P``, one reduce-scatter per
-  leaf per step).
+gradient sum covers only its rows. The parameters are gathered once, before the loop
+(one all-gather per leaf per step). ``reduce_gradients`` trades memory per device
+against collectives per microbatch (``P`` is the parameters' size, ``N`` the number of
+shards): ``"per_microbatch"`` reduce-scatters each microbatch's gradient into a sum
+sharded like the parameters (a carry of ``P / N`` per device, one reduce-scatter per
+leaf per microbatch); ``"after_loop"`` keeps a full-size partial sum on each device and
+reduce-scatters it once (a carry of ``P``, one reduce-scatter per leaf per step).
 
 The loop then runs inside ``jax.shard_map`` over the batch's mesh axes: each device
 loops over its own rows of every microbatch, and the collectives above are the only
@@ -32,27 +27,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _layout, _sharding
 from ._accumulators import AccumulationType
 from ._typing import PyTree
 
-GATHER = ("once", "per_microbatch")
 REDUCE = ("per_microbatch", "after_loop")
 
 
 @dataclasses.dataclass(frozen=True)
 class Trade:
-    """The user's choice of collectives against memory (``micro_grad``'s options).
+    """The user's choice of collectives against memory (``micro_grad``'s option).
 
     Attributes:
-      gather: ``gather_params``, one of ``GATHER``.
-      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch when the
-        differentiated arguments are sharded over the batch's mesh axes.
+      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch.
     """
 
-    gather: str = "once"
     reduce: str | None = None
 
 
@@ -79,18 +71,10 @@ class Layout:
     def reduce_per_microbatch(self) -> bool:
         return self.trade.reduce == "per_microbatch"
 
-    @property
-    def gather_per_microbatch(self) -> bool:
-        return self.trade.gather == "per_microbatch"
-
-    def gather(self, args: tuple[Any, ...], nums: tuple[int, ...], anchor: Any = None) -> tuple[Any, ...]:
+    def gather(self, args: tuple[Any, ...], nums: tuple[int, ...]) -> tuple[Any, ...]:
         """``args`` with the differentiated ones made whole over ``axes`` (inside the
-        shard_map). With ``anchor`` (a value that changes every microbatch) the gather is
-        tied to it, so that XLA cannot hoist it out of the loop."""
-        parts = [args[i] for i in nums]
-        if anchor is not None:
-            parts, _ = jax.lax.optimization_barrier((parts, anchor))
-        leaves, structure = jax.tree.flatten(parts)
+        shard_map)."""
+        leaves, structure = jax.tree.flatten([args[i] for i in nums])
         whole = [_all_gather(x, home) for x, home in zip(leaves, self.homes, strict=True)]
         gathered = dict(zip(nums, jax.tree.unflatten(structure, whole), strict=True))
         return tuple(gathered.get(i, a) for i, a in enumerate(args))
@@ -137,7 +121,7 @@ def spec_of(leaf: Any) -> PartitionSpec | None:
     """``leaf``'s partition spec where it can be read: from an Explicit type, or from a
     concrete array's sharding; None inside ``jit`` on an Auto mesh, or off any mesh."""
     sharding = _sharding.explicit_sharding(leaf)
-    if sharding is None and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    if sharding is None and isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer):
         sharding = leaf.sharding
     if isinstance(sharding, NamedSharding):
         return sharding.spec
@@ -172,7 +156,7 @@ def layout(
     if not sharded:
         return None
     reduce = trade.reduce or "per_microbatch"
-    return Layout(axes, where.count, where.entry, tuple(homes), Trade(trade.gather, reduce))
+    return Layout(axes, where.count, where.entry, tuple(homes), Trade(reduce))
 
 
 def supports(accumulators: Any, count: Any) -> bool:
@@ -194,7 +178,9 @@ def sums_only(accumulators: Any) -> Any:
 
 def divide_means(accumulators: Any, grads: PyTree, total: Any) -> PyTree:
     """``grads`` with the leaves under a MEAN divided by ``total``."""
-    kinds, treedef = jax.tree.flatten(accumulators, is_leaf=lambda x: isinstance(x, AccumulationType))
+    kinds, treedef = jax.tree.flatten(
+        accumulators, is_leaf=lambda x: isinstance(x, AccumulationType)
+    )
     parts = treedef.flatten_up_to(grads)
     out = [
         jax.tree.map(lambda g: g / total.astype(g.dtype), part)
@@ -244,13 +230,15 @@ def run(
 
     ``inner`` loops over the local rows with microbatches of ``microbatch_size / count``
     rows; with ``reduce_gradients="per_microbatch"`` it reduces each microbatch's
-    gradients itself (``Layout.reduce``), and with ``gather_params="per_microbatch"`` it
-    gathers the parameters itself. ``means(grads, total)`` divides the means by the
+    gradients itself (``Layout.reduce``). ``means(grads, total)`` divides the means by the
     number of rows, or the sum of the weights, of the whole batch.
     """
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     rows = PartitionSpec(layout.entry)
-    rows_total = jax.tree.leaves([args[i] for i in range(len(args)) if batched(i)] + [v for k, v in kwargs.items() if batched(k)])[0].shape[0]
+    rows_total = jax.tree.leaves(
+        [args[i] for i in range(len(args)) if batched(i)]
+        + [v for k, v in kwargs.items() if batched(k)]
+    )[0].shape[0]
 
     def spec(owner: int | str, value: Any) -> Any:
         if owner in nums:
@@ -267,8 +255,7 @@ def run(
     weight_specs = None if weights is None else rows
 
     def local(a: tuple[Any, ...], kw: dict[str, Any], w: Any) -> Any:
-        if not layout.gather_per_microbatch:
-            a = layout.gather(a, nums)
+        a = layout.gather(a, nums)
         grads, aux = inner(a, kw, w)
         if not layout.reduce_per_microbatch:
             grads = layout.reduce(grads)

@@ -35,7 +35,6 @@ def micro_grad(
     clip_method: str = "auto",
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
-    gather_params: str = "once",
     reduce_gradients: str | None = None,
     progress: bool = False,
     allow_remainder: bool = False,
@@ -101,18 +100,14 @@ def micro_grad(
           model finds cheaper for the call; ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
-      gather_params: Where differentiated arguments that are sharded over the batch's
-        mesh axes (FSDP) are made whole: ``"once"`` before the loop (their full size on
-        every device, one all-gather per step) or ``"per_microbatch"`` inside each
-        microbatch (the full copy lives only while it runs; one all-gather per
-        microbatch).
       reduce_gradients: Where the gradients of such arguments are added over the
         devices: ``"per_microbatch"`` reduce-scatters each microbatch's gradient into a
         sum sharded like the parameters (``1/N`` of their size per device, one
         reduce-scatter per microbatch); ``"after_loop"`` keeps a full-size partial sum
-        per device and reduces it once. None (default) takes ``"per_microbatch"`` for
-        sharded parameters. Both options apply where the layout can be read: on an
-        Explicit mesh, or for concrete arrays; see the multi-device guide.
+        per device and reduce-scatters it once. None (default) takes
+        ``"per_microbatch"``. Either way the parameters are gathered once, before the
+        loop. This applies where the layout can be read: on an Explicit mesh, or for
+        concrete arrays; see the multi-device guide.
       progress: See ``microbatch``.
       allow_remainder: See ``micro_vmap``.
 
@@ -174,7 +169,6 @@ def micro_grad(
     )
     clipping = _clipping_of(l2_clip_norm, rescale_to_unit_norm, normalize_by, nan_safe)
     trade = _fsdp.Trade(
-        _checks.ensure_choice("gather_params", gather_params, _fsdp.GATHER),
         None
         if reduce_gradients is None
         else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
@@ -223,28 +217,21 @@ def micro_grad(
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
     per_shard = is_summed and _fsdp.supports(accumulators, settings.count)
     sums = _fsdp.sums_only(accumulators)
-    local_summed = _per_example.summed(example, sums, clipping, measure, settings, method)
+    local = dataclasses.replace(settings, mesh_axes=None, progress=False)
+    local_summed = _per_example.summed(example, sums, clipping, measure, local, method)
     local_loops: dict[Any, Any] = {}
 
     def local_loop(layout: _fsdp.Layout, size: int) -> Any:
         """The loop over one device's rows, inside the shard_map of ``_fsdp.run``."""
         key = (layout, size)
         if key not in local_loops:
-            nums = example.nums()
 
             def body(weights: Any, *args: Any, **kwargs: Any) -> Any:
-                if layout.gather_per_microbatch:
-                    anchor = _per_example.first_batched(axes, args, kwargs)
-                    args = layout.gather(args, nums, anchor)
                 grads, aux = local_summed(weights, *args, **kwargs)
                 return (layout.reduce(grads) if layout.reduce_per_microbatch else grads), aux
 
             inner = dataclasses.replace(
-                settings,
-                size=size,
-                mesh_axes=None,
-                accumulator=(sums, AccumulationType.CONCAT),
-                progress=False,
+                local, size=size, accumulator=(sums, AccumulationType.CONCAT)
             )
             loop = _vmap.loop_over(body, axes, inner)
 
