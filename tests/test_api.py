@@ -89,7 +89,8 @@ def test_signatures_follow_the_spec():
         "clip_method",
         "accumulation_dtype",
         "batch_mesh_axes",
-        "reduce_gradients",  # issue 15
+        "gather_params",  # issue 15
+        "reduce_gradients",
         "progress",
         "allow_remainder",
     ]

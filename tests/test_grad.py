@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microbatching import AccumulationType, Aux, micro_grad
+from microbatching import AccumulationType, Aux, micro_grad, micro_vmap
 
 from .strategies import assert_close, clipper, microbatch_sizes, random_array
 
@@ -125,3 +125,31 @@ def test_negative_batch_argnums_count_from_the_end():
     values, per_example = _reference(params, x, y)
     assert_close(aux.values, values)
     assert_close(grads, jax.tree.map(lambda w: jnp.sum(w, 0), per_example), terms=2)
+
+
+def test_summed_per_example_dense_gradients_are_exact_at_small_microbatches():
+    """XLA:CPU (jax 0.10.2) sums the rows of a batched outer product wrongly below 256
+    rows (``benchmarks/xla_per_example_sum_repro.py``): ``transform_fn`` and ``micro_vmap``
+    sums of per-example dense-layer gradients came out off by their own size. The rows
+    are now reduced behind a barrier. The reference sums NumPy copies of the gradients."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    params = {
+        "w1": jax.random.normal(keys[0], (256, 512)) / 16,
+        "w2": jax.random.normal(keys[1], (512, 16)) / 22,
+    }
+    x, y = jax.random.normal(keys[2], (64, 256)), jax.random.normal(keys[3], (64, 16))
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    per_example = jax.vmap(jax.grad(lambda p, a, b: loss(p, a[None], b[None])), (None, 0, 0))
+    want = {k: np.sum(np.asarray(g, np.float64), 0) for k, g in per_example(params, x, y).items()}
+    grad_fn = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=16, transform_fn=lambda g: g)
+    mapped = micro_vmap(
+        lambda a, b: jax.grad(loss)(params, a[None], b[None]),
+        microbatch_size=16,
+        accumulator=AccumulationType.SUM,
+    )
+    for got in (jax.jit(grad_fn)(params, x, y)[0], jax.jit(mapped)(x, y)):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)

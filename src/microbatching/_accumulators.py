@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _layout
+from . import _layout, _sharding
 from ._layout import Open, is_open
 from ._typing import PyTree, PyTreeFn, UpdateFn
 
@@ -127,12 +127,12 @@ def _reduction(
     def init(s: Any) -> Any:
         if is_open(s):
             fill = _layout.identity(how, s.value.dtype) if extremum else 0
-            return Open(jax.lax.full_like(s.value, fill), s.dtype, s.merge)
+            return Open(_sharding.full(s.value, fill), s.dtype, s.merge)
         _check_inexact(kind, s)
         if extremum:  # exact in any dtype
-            return jax.lax.full_like(s, _layout.identity(how, s.dtype))
+            return _sharding.full(s, _layout.identity(how, s.dtype))
         wide = accumulation_dtype(s.dtype, requested)
-        zeros = jax.lax.full_like(s, 0, wide)
+        zeros = _sharding.full(s, 0, wide)
         return zeros if wide == s.dtype else Open(zeros, s.dtype)
 
     def update(c: Any, x: Any, i: Any) -> Any:
@@ -287,7 +287,7 @@ def concat(num_microbatches: int, remainder: int = 0, microbatch_size: int = 0) 
     def init(s: Any) -> jax.Array:
         if not s.shape:
             return jnp.zeros((n,), s.dtype)
-        zeros = jnp.expand_dims(jax.lax.full_like(s, 0), 1)
+        zeros = jnp.expand_dims(_sharding.full(s, 0), 1)
         return jnp.broadcast_to(zeros, (s.shape[0], n, *s.shape[1:]))
 
     def update(carry: jax.Array, x: jax.Array, i: Any) -> jax.Array:

@@ -3,25 +3,32 @@ and where their gradients are reduced.
 
 When ``micro_grad``'s differentiated arguments are split over the same mesh axes as the
 batch, every device needs them whole to take its rows' gradients, and each device's
-gradient sum covers only its rows. The parameters are gathered once, before the loop
-(one all-gather per leaf per step). ``reduce_gradients`` trades memory per device
-against collectives per microbatch (``P`` is the parameters' size, ``N`` the number of
-shards): ``"per_microbatch"`` reduce-scatters each microbatch's gradient into a sum
-sharded like the parameters (a carry of ``P / N`` per device, one reduce-scatter per
-leaf per microbatch); ``"after_loop"`` keeps a full-size partial sum on each device and
-reduce-scatters it once (a carry of ``P``, one reduce-scatter per leaf per step).
+gradient sum covers only its rows. Two choices trade memory per device against
+collectives per microbatch (``P`` is the parameters' size, ``N`` the number of shards):
+
+- ``gather_params``: ``"once"`` gathers the parameters before the loop (``P`` per device
+  for the whole step, one all-gather per leaf per step); ``"per_microbatch"`` gathers
+  them inside each microbatch, so the whole copy lives only while it runs (one
+  all-gather per leaf per microbatch).
+- ``reduce_gradients``: ``"per_microbatch"`` reduce-scatters each microbatch's gradient
+  into a sum sharded like the parameters (a carry of ``P / N`` per device, one
+  reduce-scatter per leaf per microbatch); ``"after_loop"`` keeps a full-size partial
+  sum on each device and reduces it once (a carry of ``P``, one collective per leaf per
+  step).
 
 The loop then runs inside ``jax.shard_map`` over the batch's mesh axes: each device
 loops over its own rows of every microbatch, and the collectives above are the only
 ones, written out (``all_gather``, ``psum_scatter``) rather than left to XLA's choice.
 The layout is read from the arrays: their types on an Explicit mesh, their shardings
-when they are concrete. Inside ``jit`` on an Auto mesh the shardings are not visible,
-and the loop runs as for replicated parameters.
+when they are concrete. Inside ``jit`` on an Auto mesh JAX does not show them: the
+parameters enter the ``shard_map`` whole over the batch's axes (XLA gathers them there
+if they are sharded), and their gradients are all-reduced after the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,17 +41,21 @@ from . import _layout, _sharding
 from ._accumulators import AccumulationType
 from ._typing import PyTree
 
+GATHER = ("once", "per_microbatch")
 REDUCE = ("per_microbatch", "after_loop")
 
 
 @dataclasses.dataclass(frozen=True)
 class Trade:
-    """The user's choice of collectives against memory (``micro_grad``'s option).
+    """The user's choice of collectives against memory (``micro_grad``'s options).
 
     Attributes:
-      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch.
+      gather: ``gather_params``, one of ``GATHER``.
+      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch when a
+        parameter is sharded over the batch's axes, else after the loop.
     """
 
+    gather: str = "once"
     reduce: str | None = None
 
 
@@ -71,11 +82,17 @@ class Layout:
     def reduce_per_microbatch(self) -> bool:
         return self.trade.reduce == "per_microbatch"
 
+    @property
+    def gather_per_microbatch(self) -> bool:
+        return self.trade.gather == "per_microbatch"
+
     def gather(self, args: tuple[Any, ...], nums: tuple[int, ...]) -> tuple[Any, ...]:
         """``args`` with the differentiated ones made whole over ``axes`` (inside the
         shard_map)."""
         leaves, structure = jax.tree.flatten([args[i] for i in nums])
-        whole = [_all_gather(x, home) for x, home in zip(leaves, self.homes, strict=True)]
+        whole = [
+            _all_gather(x, home, self.axes) for x, home in zip(leaves, self.homes, strict=True)
+        ]
         gathered = dict(zip(nums, jax.tree.unflatten(structure, whole), strict=True))
         return tuple(gathered.get(i, a) for i, a in enumerate(args))
 
@@ -97,11 +114,17 @@ def _names(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _all_gather(x: Any, home: tuple[Any, ...]) -> Any:
+def _all_gather(x: Any, home: tuple[Any, ...], axes: tuple[str, ...]) -> Any:
+    """``x`` whole over ``axes``, and typed as varying over them: its gradient is then
+    each device's own sum, which ``_reduce`` adds up, and not one that JAX would
+    all-reduce by itself (the transpose of an unvarying value's use)."""
     for dim, entry in enumerate(home):
         if entry is not None:
             x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
-    return x
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    varying = set(getattr(manual, "varying", ()))
+    missing = tuple(name for name in axes if name not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _reduce(x: Any, home: tuple[Any, ...], axes: tuple[str, ...]) -> Any:
@@ -133,16 +156,20 @@ def layout(
     differentiated: list[Any],
     mesh_axes: tuple[str, ...] | None,
     trade: Trade,
+    always: bool = False,
 ) -> Layout | None:
-    """The call's layout if a differentiated leaf is sharded over the batch's mesh axes
-    and the loop can run per shard; else None (the loop runs as for replicated ones)."""
+    """The call's layout when the loop runs per shard: the batch is sharded, and a
+    differentiated leaf is sharded over the batch's axes, or its layout cannot be read
+    (inside ``jit`` on an Auto mesh), or ``always``. None otherwise: the loop runs on the
+    global arrays, as for replicated parameters."""
     where = _layout.shards(batch_leaf, 0, mesh_axes)
     if where is None:
         return None
     axes = _names(where.entry)
-    homes, sharded = [], False
+    homes, sharded, unknown = [], False, False
     for leaf in differentiated:
         spec = spec_of(leaf)
+        unknown = unknown or spec is None
         full = [] if spec is None else list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
         home = []
         for entry in full:
@@ -151,44 +178,81 @@ def layout(
             if mine and len(mine) != len(names):
                 return None  # a dimension split over batch and other axes: not per shard
             home.append(None if not mine else mine[0] if len(mine) == 1 else mine)
+        home += [None] * (jnp.ndim(leaf) - len(home))
         sharded = sharded or any(e is not None for e in home)
         homes.append(tuple(home))
-    if not sharded:
+    if not (always or sharded or (unknown and not where.explicit)):
         return None
-    reduce = trade.reduce or "per_microbatch"
-    return Layout(axes, where.count, where.entry, tuple(homes), Trade(reduce))
+    reduce = trade.reduce or ("per_microbatch" if sharded else "after_loop")
+    return Layout(axes, where.count, where.entry, tuple(homes), Trade(trade.gather, reduce))
 
 
-def supports(accumulators: Any, count: Any) -> bool:
-    """Whether the per-shard loop computes this call: sums and means of all rows (the
-    means divided afterwards by the global count or weight), without a bound."""
-    kinds = jax.tree.leaves(accumulators, is_leaf=lambda x: isinstance(x, AccumulationType))
-    plain = all(k in (AccumulationType.SUM, AccumulationType.MEAN) for k in kinds)
-    return plain and count is None
+KINDS = (
+    AccumulationType.SUM,
+    AccumulationType.MEAN,
+    AccumulationType.MAX,
+    AccumulationType.MIN,
+    AccumulationType.CONCAT,
+)
+"""The accumulators the per-shard loop computes: each device folds its rows, and one
+collective per leaf combines the devices (``combine``)."""
 
 
-def sums_only(accumulators: Any) -> Any:
-    """The accumulator tree with every MEAN made a SUM (divided after the loop)."""
-    return jax.tree.map(
-        lambda k: AccumulationType.SUM,
-        accumulators,
-        is_leaf=lambda x: isinstance(x, AccumulationType),
-    )
+def _is_kind(x: Any) -> bool:
+    return isinstance(x, AccumulationType)
 
 
-def divide_means(accumulators: Any, grads: PyTree, total: Any) -> PyTree:
-    """``grads`` with the leaves under a MEAN divided by ``total``."""
-    kinds, treedef = jax.tree.flatten(
-        accumulators, is_leaf=lambda x: isinstance(x, AccumulationType)
-    )
-    parts = treedef.flatten_up_to(grads)
+def supports(accumulators: Any, count: Any, kinds: tuple[AccumulationType, ...]) -> bool:
+    """Whether the per-shard loop computes this call: built-in ``kinds`` over all rows
+    (means divided afterwards by the global count or weight), without a bound."""
+    leaves = jax.tree.leaves(accumulators, is_leaf=_is_kind)
+    return count is None and all(k in kinds for k in leaves)
+
+
+def local_kinds(accumulators: Any) -> Any:
+    """The accumulators each device folds its rows with: a MEAN is a SUM until
+    ``combine`` divides it by the whole batch's rows or weights."""
+
+    def local(kind: Any) -> Any:
+        return AccumulationType.SUM if kind is AccumulationType.MEAN else kind
+
+    return jax.tree.map(local, accumulators, is_leaf=_is_kind)
+
+
+def combine(
+    accumulators: Any, outs: PyTree, total: Any, axes: tuple[str, ...], reduced: bool = False
+) -> PyTree:
+    """The devices' folds of their rows combined by kind: sums and means added (means
+    then divided by ``total``), maxima and minima taken, concatenations left sharded.
+    ``reduced``: the sums are reduced already (``Layout.reduce``)."""
+    kinds, treedef = jax.tree.flatten(accumulators, is_leaf=_is_kind)
+    parts = treedef.flatten_up_to(outs)
+
+    def one(kind: Any, x: Any) -> Any:
+        if kind is AccumulationType.MAX:
+            return jax.lax.pmax(x, axes)
+        if kind is AccumulationType.MIN:
+            return jax.lax.pmin(x, axes)
+        if kind is AccumulationType.CONCAT:
+            return x
+        x = x if reduced else jax.lax.psum(x, axes)
+        return x / total.astype(x.dtype) if kind is AccumulationType.MEAN else x
+
     out = [
-        jax.tree.map(lambda g: g / total.astype(g.dtype), part)
-        if kind is AccumulationType.MEAN
-        else part
+        jax.tree.map(functools.partial(one, kind), part)
         for kind, part in zip(kinds, parts, strict=True)
     ]
     return treedef.unflatten(out)
+
+
+def out_specs(accumulators: Any, entry: Any) -> Any:
+    """The shard_map output specs of the accumulated results, as a prefix tree: a
+    concatenation stays split by rows, everything else is whole on every device."""
+    return jax.tree.map(
+        lambda k: PartitionSpec(entry) if k is AccumulationType.CONCAT else PartitionSpec(),
+        accumulators,
+        is_leaf=_is_kind,
+    )
 
 
 def gathered_once(
@@ -218,57 +282,58 @@ def gathered_once(
 def run(
     layout: Layout,
     inner: Callable[[tuple[Any, ...], dict[str, Any], Any], Any],
-    argnums: int | tuple[int, ...],
+    nums: tuple[int, ...],
     batched: Callable[[int | str], bool],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    weights: Any,
-    means: Callable[[PyTree, Any], PyTree],
+    call: tuple[tuple[Any, ...], dict[str, Any], Any],
+    specs: Any,
+    finish: Callable[[PyTree, Any], PyTree],
 ) -> Any:
-    """``inner(args, kwargs, weights)`` on each device's rows, inside a ``shard_map`` over
-    the batch's mesh axes, its gradients reduced over them.
+    """``inner(args, kwargs, weights)`` of ``call`` on each device's rows, inside a
+    ``shard_map`` over the batch's mesh axes.
 
     ``inner`` loops over the local rows with microbatches of ``microbatch_size / count``
     rows; with ``reduce_gradients="per_microbatch"`` it reduces each microbatch's
-    gradients itself (``Layout.reduce``). ``means(grads, total)`` divides the means by the
-    number of rows, or the sum of the weights, of the whole batch.
+    gradients itself (``Layout.reduce``), and with ``gather_params="per_microbatch"`` it
+    gathers the parameters itself. ``finish(results, total)`` combines the devices'
+    results, ``total`` being the number of rows, or the sum of the weights, of the whole
+    batch; ``specs`` are the combined results' partition specs (a prefix tree).
     """
-    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    args, kwargs, weights = call
     rows = PartitionSpec(layout.entry)
-    rows_total = jax.tree.leaves(
-        [args[i] for i in range(len(args)) if batched(i)]
-        + [v for k, v in kwargs.items() if batched(k)]
-    )[0].shape[0]
+    batch = [a for i, a in enumerate(args) if batched(i)]
+    batch += [v for k, v in kwargs.items() if batched(k)]
+    size = jax.tree.leaves(batch)[0].shape[0]
 
     def spec(owner: int | str, value: Any) -> Any:
-        if owner in nums:
-            return None  # filled below
-        if batched(owner):
-            return jax.tree.map(lambda _: rows, value)
-        return jax.tree.map(lambda _: PartitionSpec(), value)
+        whole = rows if batched(owner) else PartitionSpec()
+        return jax.tree.map(lambda _: whole, value)
 
     arg_specs = [spec(i, a) for i, a in enumerate(args)]
     homes = iter(layout.homes)
     for i in nums:
         arg_specs[i] = jax.tree.map(lambda _: PartitionSpec(*next(homes)), args[i])
     kwarg_specs = {k: spec(k, v) for k, v in kwargs.items()}
-    weight_specs = None if weights is None else rows
 
     def local(a: tuple[Any, ...], kw: dict[str, Any], w: Any) -> Any:
-        a = layout.gather(a, nums)
-        grads, aux = inner(a, kw, w)
-        if not layout.reduce_per_microbatch:
-            grads = layout.reduce(grads)
+        if not layout.gather_per_microbatch:
+            a = layout.gather(a, nums)
+        outs, aux = inner(a, kw, w)
         if w is None:
-            total = jnp.float32(rows_total)
+            total = jnp.float32(size)
         else:
             total = jax.lax.psum(jnp.sum(w, dtype=jnp.float32), layout.axes)
-        return means(grads, total), aux
+        return finish(outs, total), aux
 
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # explicitly sharded inputs, called outside jax.set_mesh
+        first = jax.tree.leaves(batch)[0]
+        sharding = _sharding.explicit_sharding(first)
+        mesh = sharding.mesh if sharding is not None else mesh
     mapped = jax.shard_map(
         local,
-        in_specs=(tuple(arg_specs), kwarg_specs, weight_specs),
-        out_specs=(layout.grad_specs(args, argnums), rows),
+        mesh=mesh,
+        in_specs=(tuple(arg_specs), kwarg_specs, None if weights is None else rows),
+        out_specs=(specs, rows),
         axis_names=set(layout.axes),
     )
     return mapped(tuple(args), kwargs, weights)

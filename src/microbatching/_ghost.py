@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from . import _clipping, _programs
+from . import _clipping, _programs, _sharding
 
 INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
 """Calls whose body is read as part of the program, so that sites inside them are found."""
@@ -729,13 +729,20 @@ def _scaled_products(
             for k in sites
         ]
 
-    _, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
+    outs, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
 
-    def scaled(g: jax.Array) -> jax.Array:
+    def scaled(g: jax.Array, out: jax.Array) -> jax.Array:
         g = g * _rows(factor, g).astype(g.dtype)
-        return jnp.where(_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
+        g = jnp.where(_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
+        # On an Explicit mesh the recorded cotangent may be laid out otherwise than the
+        # site's output (a tensor-parallel layer): the VJP wants the output's type.
+        sharding = _sharding.explicit_sharding(out)
+        return g if sharding is None else jax.sharding.reshard(g, sharding)
 
-    cotangents = [[scaled(g) for g in seen.cotangents[k]] for k in sites]
+    cotangents = [
+        [scaled(g, o) for g, o in zip(seen.cotangents[k], out, strict=True)]
+        for k, out in zip(sites, outs, strict=True)
+    ]
     return pull(cotangents)[0]
 
 

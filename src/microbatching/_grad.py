@@ -35,6 +35,7 @@ def micro_grad(
     clip_method: str = "auto",
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
+    gather_params: str = "once",
     reduce_gradients: str | None = None,
     progress: bool = False,
     allow_remainder: bool = False,
@@ -100,14 +101,18 @@ def micro_grad(
           model finds cheaper for the call; ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
+      gather_params: Where differentiated arguments sharded over the batch's mesh axes
+        (FSDP) are made whole: ``"once"`` before the loop (their full size on every
+        device through the step, one all-gather) or ``"per_microbatch"`` inside each
+        microbatch (the full copy lives only while it runs; one all-gather per
+        microbatch).
       reduce_gradients: Where the gradients of such arguments are added over the
         devices: ``"per_microbatch"`` reduce-scatters each microbatch's gradient into a
         sum sharded like the parameters (``1/N`` of their size per device, one
         reduce-scatter per microbatch); ``"after_loop"`` keeps a full-size partial sum
-        per device and reduce-scatters it once. None (default) takes
-        ``"per_microbatch"``. Either way the parameters are gathered once, before the
-        loop. This applies where the layout can be read: on an Explicit mesh, or for
-        concrete arrays; see the multi-device guide.
+        per device and reduces it once. None (default) takes ``"per_microbatch"`` for
+        sharded parameters. Both apply where the layout can be read: on an Explicit
+        mesh, or for concrete arrays; see the multi-device guide.
       progress: See ``microbatch``.
       allow_remainder: See ``micro_vmap``.
 
@@ -169,6 +174,7 @@ def micro_grad(
     )
     clipping = _clipping_of(l2_clip_norm, rescale_to_unit_norm, normalize_by, nan_safe)
     trade = _fsdp.Trade(
+        _checks.ensure_choice("gather_params", gather_params, _fsdp.GATHER),
         None
         if reduce_gradients is None
         else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
@@ -209,16 +215,21 @@ def micro_grad(
         )
 
     measure = None if metrics is no_metrics else metrics
+    # ``local_step``: the same per-microbatch step for the loop per shard (``_fsdp.run``),
+    # where each device folds its own rows and means are sums until the devices combine.
+    local = dataclasses.replace(settings, mesh_axes=None, progress=False)
+    folds = _fsdp.local_kinds(accumulators)
     if is_summed:
         summed = _per_example.summed(example, accumulators, clipping, measure, settings, method)
         looped = _vmap.loop_over(summed, axes, settings)
+        per_shard = _fsdp.supports(accumulators, settings.count, _fsdp.KINDS[:2])
+        local_step = _per_example.summed(example, folds, clipping, measure, local, method)
     else:
         per_example = _per_example.per_example(example, clipping, transform, metrics)
         looped = _vmap.build(per_example, axes, jax.vmap, settings)
-    per_shard = is_summed and _fsdp.supports(accumulators, settings.count)
-    sums = _fsdp.sums_only(accumulators)
-    local = dataclasses.replace(settings, mesh_axes=None, progress=False)
-    local_summed = _per_example.summed(example, sums, clipping, measure, local, method)
+        per_shard = _fsdp.supports(accumulators, settings.count, _fsdp.KINDS)
+        with_folds = dataclasses.replace(local, accumulator=(folds, AccumulationType.CONCAT))
+        local_step = _vmap.aggregated(per_example, axes, jax.vmap, with_folds)
     local_loops: dict[Any, Any] = {}
 
     def local_loop(layout: _fsdp.Layout, size: int) -> Any:
@@ -227,11 +238,18 @@ def micro_grad(
         if key not in local_loops:
 
             def body(weights: Any, *args: Any, **kwargs: Any) -> Any:
-                grads, aux = local_summed(weights, *args, **kwargs)
-                return (layout.reduce(grads) if layout.reduce_per_microbatch else grads), aux
+                if layout.gather_per_microbatch:
+                    args = layout.gather(args, example.nums())
+                outs, aux = local_step(weights, *args, **kwargs)
+                if is_summed and layout.reduce_per_microbatch:
+                    outs = layout.reduce(outs)
+                return outs, aux
 
             inner = dataclasses.replace(
-                local, size=size, accumulator=(sums, AccumulationType.CONCAT)
+                local,
+                size=size,
+                accumulator=(folds, AccumulationType.CONCAT),
+                pin_consts=layout.gather_per_microbatch,
             )
             loop = _vmap.loop_over(body, axes, inner)
 
@@ -242,6 +260,32 @@ def micro_grad(
             local_loops[key] = call
         return local_loops[key]
 
+    def run_per_shard(
+        layout: _fsdp.Layout, size: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[PyTree, Aux]:
+        kwargs = dict(kwargs)
+        weights = kwargs.pop("example_weights", None)
+        nums = example.nums()
+        if is_summed:
+            specs = layout.grad_specs(args, example.argnums)
+        else:
+            specs = _fsdp.out_specs(accumulators, layout.entry)
+
+        def finish(outs: PyTree, total: Any) -> PyTree:
+            if is_summed and not layout.reduce_per_microbatch:
+                outs = layout.reduce(outs)
+            return _fsdp.combine(accumulators, outs, total, layout.axes, reduced=is_summed)
+
+        return _fsdp.run(
+            layout,
+            local_loop(layout, size // layout.count),
+            nums,
+            lambda where: axes.spec(where) is not None,
+            (args, kwargs, weights),
+            specs,
+            finish,
+        )
+
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
 
     gather = is_summed and wanted and method in ("auto", "ghost", "two_pass")
@@ -251,28 +295,15 @@ def micro_grad(
         example.check_differentiable(positional)
         unsplit.check(positional)
         nums = example.nums()
-        first = _per_example.first_batched(axes, positional, named)
-        layout = _fsdp.layout(
-            first, jax.tree.leaves([positional[i] for i in nums]), settings.mesh_axes, trade
-        )
+        first = _per_example.find_batched(axes, positional, named)
+        differentiated = jax.tree.leaves([positional[i] for i in nums if i < len(positional)])
         size = settings.size
-        if layout is not None and per_shard and size is not None and size % layout.count == 0:
-            named = dict(named)
-            weights = named.pop("example_weights", None)
-
-            def means(grads: PyTree, total: Any) -> PyTree:
-                return _fsdp.divide_means(accumulators, grads, total)
-
-            return _fsdp.run(
-                layout,
-                local_loop(layout, size // layout.count),
-                example.argnums,
-                lambda where: axes.spec(where) is not None,
-                positional,
-                named,
-                weights,
-                means,
-            )
+        layout = None
+        if first is not None:  # else the loop says what is missing
+            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade, not is_summed)
+        runs_per_shard = per_shard and not settings.allow_remainder and size is not None
+        if layout is not None and size is not None and runs_per_shard and size % layout.count == 0:
+            return run_per_shard(layout, size, positional, named)
         positional = _fsdp.gathered_once(layout, nums, positional)
         if gather and settings.mesh_axes:
             # The per-example norms read every parameter on every shard: gathered once

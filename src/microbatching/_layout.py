@@ -206,6 +206,19 @@ def constrain(x: jax.Array, where: Shards, spec: list[Any] | None = None) -> jax
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*(spec or [where.entry])))
 
 
+def rows_apart(x: jax.Array) -> jax.Array:
+    """``x``, per-example results, behind an optimization barrier before they are reduced.
+
+    XLA:CPU (jax 0.10.2) miscompiles the sum over rows of a batched outer product, e.g.
+    ``jnp.sum(jnp.einsum("bh,bd->bhd", u, x), 0)``, which is what summing per-example
+    gradients of a dense layer is: for fewer than 256 rows the result is off by about its
+    own size (``benchmarks/xla_per_example_sum_repro.py``). The barrier keeps the reduction
+    from being fused into the product, where the rewrite goes wrong. The rows are
+    materialised anyway: they are the microbatch's per-example results.
+    """
+    return jax.lax.optimization_barrier(x) if x.ndim > 1 else x
+
+
 def reduce_rows(
     x: jax.Array, how: str, wide: Any, dtype: Any, mesh_axes: tuple[str, ...] | None = None
 ) -> Any:
@@ -215,6 +228,7 @@ def reduce_rows(
     ``mesh_axes``) the result stays open, one partial per shard; when ``wide`` differs
     from ``dtype`` it stays open in ``wide``.
     """
+    x = rows_apart(x)
     where = shards(x, 0, mesh_axes) if x.ndim else None
     if where is None:
         out = reduce(x, how, 0, wide)

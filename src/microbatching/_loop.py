@@ -347,7 +347,8 @@ class Run:
         first = ClosedJaxpr(main, consts[0])
         apart = None if rest is None else ClosedJaxpr(rest, consts[1])
         requested = self.settings.accumulation_dtype
-        return _layout.close(_run(first, shapes, apart, loop, acc, requested, self.name, live))
+        pin = self.settings.pin_consts
+        return _layout.close(_run(first, shapes, apart, loop, acc, requested, self.name, live, pin))
 
 
 def _run(
@@ -359,6 +360,7 @@ def _run(
     requested: Any,
     progress: str | None,
     live: Any = None,
+    pin: bool = False,
 ) -> Any:
     """Runs ``fun``'s program ``jaxpr`` on each microbatch in a fori_loop.
 
@@ -366,7 +368,8 @@ def _run(
     ``num_real_microbatches`` skips the microbatches past it, and a traced ``live``
     that is False skips all of them, inside the rematerialised step (``_remat.step``).
     ``apart`` is ``fun``'s program on the remainder, run after the loop. ``progress``
-    names the bar that each microbatch reports to, if any.
+    names the bar that each microbatch reports to, if any. ``pin``: see
+    ``Settings.pin_consts``.
     """
     batch = loop.batch
     carry = acc.init(out_shape)
@@ -376,7 +379,7 @@ def _run(
     out_tree = jax.tree.structure(out_shape)
     bound = batch.bound
     runs = _runs(bound, live)
-    run = _remat.step(jaxpr, take, requested, runs)
+    run = _remat.step(jaxpr, take, requested, runs, pin)
 
     def fold(index: Any, carry: Any, out: Any) -> Any:
         carry = acc.update(carry, out, index)

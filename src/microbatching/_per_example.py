@@ -295,6 +295,7 @@ def summed(
         def add(g: jax.Array, scale: jax.Array) -> _layout.Open:
             wide = _accumulators.accumulation_dtype(g.dtype, requested)
             shape = (rows,) + (1,) * (g.ndim - 1)
+            g = _layout.rows_apart(g)  # see there: XLA:CPU sums such rows wrongly
             terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
             drop = jnp.reshape(scale == 0, shape)
             if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
@@ -615,11 +616,19 @@ def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def find_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's first batched leaf, or None."""
     for where, arg in [*enumerate(args), *kwargs.items()]:
         if axes.spec(where) is not None and jax.tree.leaves(arg):
             return jax.tree.leaves(arg)[0]
-    raise ValueError("micro_grad found no batch argument in the call.")
+    return None
+
+
+def first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    leaf = find_batched(axes, args, kwargs)
+    if leaf is None:
+        raise ValueError("micro_grad found no batch argument in the call.")
+    return leaf
 
 
 def _open(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:

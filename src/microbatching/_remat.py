@@ -29,18 +29,24 @@ def step(
     take: Callable[[Any], Sequence[Any]],
     requested: Any,
     runs: Callable[[Any], Any] | None = None,
+    pin: bool = False,
 ) -> Callable[[Any], list[Any]]:
     """``fun`` on microbatch ``index`` (read by ``take(index)``), rematerialised.
 
     ``requested`` is the ``accumulation_dtype``, applied to floating closed-over values.
     Microbatches for which ``runs(index)`` is False skip ``fun`` and give zeros. The
     skip sits inside the checkpoint: a ``lax.cond`` around it would make the backward pass
-    keep the checkpoint's inputs, the whole batch, once per microbatch.
+    keep the checkpoint's inputs, the whole batch, once per microbatch. With ``pin`` the
+    closed-over values pass an optimization barrier with the index, so that what ``fun``
+    computes from them alone (a gather of sharded parameters) runs in every microbatch
+    rather than once before the loop.
     """
     consts = list(jaxpr.consts)
     widened = [_widen(c, requested) for c in consts]
 
     def compute(index: Any, widened: list[Any]) -> list[Any]:
+        if pin:
+            widened, index = jax.lax.optimization_barrier((widened, index))
         narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
         return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
 
@@ -71,8 +77,4 @@ def _widen(value: Any, requested: Any) -> Any:
 
 def _zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
     """Zeros of ``struct``'s type, varying over the same manual mesh axes (``shard_map``)."""
-    sharding = _sharding.explicit_sharding(struct)
-    zeros = jax.numpy.zeros(struct.shape, struct.dtype, out_sharding=sharding)
-    manual = getattr(struct, "manual_axis_type", None)
-    varying = tuple(sorted(getattr(manual, "varying", ())))
-    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+    return _sharding.full(struct, 0)

@@ -52,3 +52,18 @@ def mesh_of(leaves: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
         if isinstance(mesh, Mesh) and mesh.explicit_axes:
             return jax.set_mesh(mesh)
     return contextlib.nullcontext()
+
+
+def full(struct: Any, fill: Any, dtype: Any = None) -> jax.Array:
+    """An array of ``struct``'s shape filled with ``fill``, of its type: its Explicit
+    sharding, and inside ``shard_map`` the manual mesh axes it varies over.
+
+    (``jax.lax.full_like`` of such a struct fails inside a ``shard_map`` that leaves some
+    mesh axes automatic.)
+    """
+    aval = struct if isinstance(struct, jax.ShapeDtypeStruct) else jax.typeof(struct)
+    dtype = aval.dtype if dtype is None else dtype
+    out = jax.numpy.full(aval.shape, fill, dtype, out_sharding=explicit_sharding(struct))
+    manual = getattr(aval, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(manual, "varying", ())))
+    return jax.lax.pcast(out, varying, to="varying") if varying else out

@@ -115,6 +115,12 @@ def micro_vmap(
 
 def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
     """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch."""
+    return loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings)
+
+
+def aggregated(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
+    """``per_microbatch(weights, *args, **kwargs)``: ``vmap_fn(fun)`` on a microbatch, its
+    outputs aggregated by ``settings.accumulator``."""
     mapped = vmapped(fun, axes, vmap_fn)
     accumulator = settings.accumulator
     dtype, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
@@ -126,7 +132,7 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
                 return _accumulators.combine(accumulator, 1, dtype, mesh_axes).aggregate(out)
             return _accumulators.weighted_aggregate(accumulator, out, weights, dtype, mesh_axes)
 
-    return loop_over(per_microbatch, axes, settings)
+    return per_microbatch
 
 
 def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> Function:

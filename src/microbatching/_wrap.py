@@ -33,6 +33,9 @@ class Settings:
       span: The transform's name, for profiler spans and the progress bar.
       allow_remainder: Whether a batch that ``size`` does not divide runs a last,
         partial microbatch.
+      pin_consts: Whether what ``fun`` computes from its closed-over values alone is
+        computed in every microbatch (``micro_grad``'s ``gather_params="per_microbatch"``)
+        instead of once before the loop, where XLA would hoist it.
     """
 
     size: int | None
@@ -43,6 +46,7 @@ class Settings:
     progress: bool = False
     span: str = "microbatch"
     allow_remainder: bool = False
+    pin_consts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
