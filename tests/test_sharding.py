@@ -6,6 +6,7 @@ Collective counts are read from the compiled HLO text.
 
 import re
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -440,7 +441,9 @@ def test_tensor_parallel_parameters_on_a_2d_auto_mesh(layout, path):
         )
         fun = jax.grad(lambda p, x, y: 512 * mean(p, x, y))
     else:
-        options = {"l2_clip_norm": 100.0} if path == "l2_clip_norm" else {}
+        options: dict[str, Any] = {}
+        if path == "l2_clip_norm":
+            options = {"l2_clip_norm": 100.0}
         if path == "transform_fn":
             options = {"transform_fn": lambda g: g}
         grad_fn = micro_grad(_two_layer, **common, **options)
