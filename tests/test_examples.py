@@ -74,7 +74,6 @@ def test_quick(script: str, expected: list[str]) -> None:
 
 
 def test_demo_reports_epsilon() -> None:
-    pytest.importorskip("dp_accounting")
     out = _run("dp_sgd_digits.py", "--steps", "10", "--microbatch-size", "128")
     for line in ["padded to 512 = 4 microbatches of 128", "test accuracy:", "privacy: epsilon ="]:
         assert line in out, f"dp_sgd_digits.py printed no {line!r}:\n{out}"
