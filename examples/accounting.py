@@ -111,6 +111,9 @@ def padded_size(
 
     Returns:
       A size between the expected batch size and ``num_examples + 1``.
+
+    Raises:
+      ValueError: If an argument is out of its range.
     """
     _check_count(num_examples)
     _check_rate(sampling_rate)
