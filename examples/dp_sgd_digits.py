@@ -1,30 +1,46 @@
-"""DP-SGD on scikit-learn's digits with per-example gradients computed in microbatches.
+"""DP-SGD on scikit-learn's digits with per-example gradients computed in microbatches,
+and the privacy budget it spends.
 
 DP-SGD (Abadi et al., 2016) makes each training step differentially private by bounding
 how much any one example can move the model: it computes the gradient of every example
 separately, clips each to L2 norm at most ``C``, sums the clipped gradients, adds
-Gaussian noise of standard deviation ``sigma * C`` and divides by the batch size.
+Gaussian noise of standard deviation ``sigma * C`` and divides by the expected batch size.
 
 Here a small MLP (64 -> 128 -> 10) learns the 8x8 digit images that ship with
-scikit-learn. Each step draws a batch much larger than the training set (with
-replacement), and ``micro_grad`` computes, clips and sums the per-example gradients
+scikit-learn. Each step samples every one of the 1438 training examples independently
+with probability ``q`` (Poisson sampling, the sampling that privacy accountants assume),
+so the batch size changes from step to step. The sampled rows are padded to one fixed
+size, ``examples/accounting.py``'s ``padded_size`` (a draw exceeds it with probability
+below 1e-12, and then ``poisson_batch`` raises rather than drop examples), rounded up to a
+multiple of 64, and a mask that is ``True`` on the sampled rows goes in as
+``example_weights``: padding rows add exactly nothing, and the step compiles once. The
+noisy sum is divided by the expected batch size ``q * 1438``, not by the number of rows
+drawn. ``micro_grad`` computes, clips and sums the per-example gradients
 ``microbatch_size`` examples at a time inside one ``jax.lax.fori_loop``, so the batch's
-per-example gradients never exist at once. The whole step (sampling, gradients, noise,
-update) is a single ``jax.jit`` program.
+per-example gradients never exist at once. The step (gradients, noise, update) is a
+single ``jax.jit`` program.
 
 The demo picks the microbatch size with ``microbatching.plan`` (the largest whose compiled
 step fits ``--memory-budget``), prints the compiled temporary memory and time of a step
 with and without microbatching, trains with a progress bar (loss and fraction of clipped
-examples; a line per 10% in a log), and reports the test accuracy, then the accuracy on all
-1797 digits evaluated 64 rows at a time (``allow_remainder=True``: 28 microbatches of 64
-and one of 5), which equals the accuracy of all rows at once. It shows the mechanics
-only: it does no privacy accounting, and sampling with replacement is not the Poisson
-sampling that accountants assume.
+examples among the sampled rows; a line per 10% in a log), and reports the test
+accuracy, then the accuracy on all 1797 digits evaluated 64 rows at a time
+(``allow_remainder=True``: 28 microbatches of 64 and one of 5), which equals the accuracy
+of all rows at once.
+
+It prints the ε that the run spends at ``--delta`` (default 1e-5, below 1 / 1438), from
+``dp_accounting``'s PLD accountant, for the sampling rate, noise multiplier and number of
+steps it used: with the defaults (q = 0.25, sigma = 4, 200 steps) ε is 3.95, and the
+test accuracy 95.5% (95.3-95.5% over ``--seed`` 0, 1 and 2 on CPU). The ε covers
+the trained parameters. The progress lines (loss, fraction clipped), the test accuracy
+and the choice of these settings read the data without noise and are not covered: they
+are there to show the mechanics.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from accounting import epsilon, overflow_probability, padded_size, poisson_batch
 from sklearn.datasets import load_digits
 from tqdm import tqdm
 
@@ -45,9 +62,9 @@ Step = Callable[..., tuple[Params, jax.Array, jax.Array]]
 HIDDEN = 128
 NUM_CLASSES = 10
 CLIP_NORM = 1.0
-NOISE_MULTIPLIER = 1.0
 LEARNING_RATE = 1.0
 EVAL_MICROBATCH = 64
+PAD_MULTIPLE = 64  # the padded batch is a multiple of this, so that the candidates divide it
 
 
 class Data(NamedTuple):
@@ -105,8 +122,12 @@ def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
     return jax.tree.unflatten(treedef, noise)
 
 
-def make_step(batch_size: int, microbatch_size: int | None) -> Step:
-    """A DP-SGD step ``(params, x, y, key, index) -> (params, losses, grad_norms)``."""
+def make_step(expected_batch: float, noise_multiplier: float, microbatch_size: int | None) -> Step:
+    """A DP-SGD step ``(params, x, y, rows, mask, key, index) -> (params, losses, norms)``.
+
+    ``rows`` are the padded batch's indices into ``x`` and ``y``, and ``mask`` is True on
+    the sampled ones; the losses and gradient norms of the padding rows are 0.
+    """
     grads_fn = micro_grad(
         loss_fn,
         batch_argnums=(1, 2),
@@ -116,14 +137,18 @@ def make_step(batch_size: int, microbatch_size: int | None) -> Step:
     )
 
     def step(
-        params: Params, x: jax.Array, y: jax.Array, key: jax.Array, index: jax.Array
+        params: Params,
+        x: jax.Array,
+        y: jax.Array,
+        rows: jax.Array,
+        mask: jax.Array,
+        key: jax.Array,
+        index: jax.Array,
     ) -> tuple[Params, jax.Array, jax.Array]:
-        sample_key, noise_key = jax.random.split(jax.random.fold_in(key, index))
-        rows = jax.random.randint(sample_key, (batch_size,), 0, x.shape[0])
-        summed, aux = grads_fn(params, x[rows], y[rows])
-        noise = gaussian_like(noise_key, summed, NOISE_MULTIPLIER * CLIP_NORM)
+        summed, aux = grads_fn(params, x[rows], y[rows], example_weights=mask)
+        noise = gaussian_like(jax.random.fold_in(key, index), summed, noise_multiplier * CLIP_NORM)
         params = jax.tree.map(
-            lambda p, g, n: p - LEARNING_RATE * (g + n) / batch_size, params, summed, noise
+            lambda p, g, n: p - LEARNING_RATE * (g + n) / expected_batch, params, summed, noise
         )
         return params, aux.values, aux.metrics
 
@@ -163,17 +188,29 @@ def microbatched_accuracy(
 
 
 def train(
-    step: jax.stages.Compiled, params: Params, data: Data, key: jax.Array, steps: int
+    step: jax.stages.Compiled,
+    params: Params,
+    data: Data,
+    batches: Callable[[], tuple[np.ndarray, np.ndarray]],
+    key: jax.Array,
+    steps: int,
 ) -> Params:
-    """Runs ``steps`` compiled DP-SGD steps under a progress bar; returns the parameters.
+    """Runs ``steps`` compiled DP-SGD steps on ``batches()`` under a progress bar; returns
+    the parameters.
 
     On a terminal the bar redraws in place; in a log it prints a line every 10% of steps.
+    The loss and the fraction clipped are over the sampled rows (not private: diagnostics).
     """
     terminal = sys.stdout.isatty()
     bar = tqdm(range(steps), desc="DP-SGD", file=sys.stdout, disable=not terminal)
     for index in bar:
-        params, losses, norms = step(params, data.x_train, data.y_train, key, np.int32(index))
-        loss, clipped = float(jnp.mean(losses)), float(jnp.mean(norms > CLIP_NORM))
+        rows, mask = batches()
+        params, losses, norms = step(
+            params, data.x_train, data.y_train, rows, mask, key, np.int32(index)
+        )
+        sampled = max(1, int(mask.sum()))
+        loss = float(jnp.sum(losses)) / sampled
+        clipped = float(jnp.sum((norms > CLIP_NORM) & mask)) / sampled
         bar.set_postfix({"loss": f"{loss:.3f}", "clipped": f"{clipped:.0%}"}, refresh=False)
         if not terminal and (index + 1) % max(1, steps // 10) == 0:
             print(f"DP-SGD step {index + 1}/{steps}: loss {loss:.3f}, clipped {clipped:.0%}")
@@ -198,7 +235,16 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=200, help="training steps")
-    parser.add_argument("--batch-size", type=int, default=4096, help="examples per step")
+    parser.add_argument(
+        "--sampling-rate",
+        type=float,
+        default=0.25,
+        help="probability that a step samples each training example (Poisson sampling)",
+    )
+    parser.add_argument(
+        "--noise-multiplier", type=float, default=4.0, help="noise std divided by the clip norm"
+    )
+    parser.add_argument("--delta", type=float, default=1e-5, help="the delta of (epsilon, delta)")
     parser.add_argument(
         "--microbatch-size",
         type=int,
@@ -207,53 +253,61 @@ def parse_args() -> argparse.Namespace:
         "--memory-budget)",
     )
     parser.add_argument(
-        "--memory-budget", type=float, default=8.0, help="MiB of compiled memory per step"
+        "--memory-budget", type=float, default=1.0, help="MiB of compiled memory per step"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation and sampling")
     return parser.parse_args()
 
 
 def main() -> None:
-    """Compares the step's memory with and without microbatching, then trains and evaluates."""
+    """Compares the step's memory with and without microbatching, then trains, evaluates
+    and reports the privacy budget spent."""
     args = parse_args()
     data = load_data()
-    init_key, train_key = jax.random.split(jax.random.key(args.seed))
+    num_train = len(data.x_train)
+    q, sigma = args.sampling_rate, args.noise_multiplier
+    expected = q * num_train
+    size = -(-padded_size(num_train, q) // PAD_MULTIPLE) * PAD_MULTIPLE
+    init_key, noise_key = jax.random.split(jax.random.key(args.seed))
+    rng = np.random.default_rng(args.seed)
     params = init_params(init_key, data.x_train.shape[1])
-    example = (params, data.x_train, data.y_train, train_key, np.int32(0))
-    print(f"digits: {len(data.x_train)} train / {len(data.x_test)} test examples, 64 features")
-    size = args.microbatch_size
-    if size is None:
-        candidates = [m for m in (16, 32, 64, 128, 256, 512, 1024) if args.batch_size % m == 0]
+    rows, mask = poisson_batch(rng, num_train, q, size)
+    example = (params, data.x_train, data.y_train, rows, mask, noise_key, np.int32(0))
+    print(f"digits: {num_train} train / {len(data.x_test)} test examples, 64 features")
+    microbatch_size = args.microbatch_size
+    if microbatch_size is None:
+        candidates = [m for m in (16, 32, 64, 128, 256, 512, 1024) if size % m == 0]
         chosen = microbatching.plan(
-            lambda m: jax.jit(make_step(args.batch_size, m)),
+            lambda m: jax.jit(make_step(expected, sigma, m)),
             *example,
-            batch_size=args.batch_size,
+            batch_size=size,
             memory_budget=int(args.memory_budget * 2**20),
             candidates=candidates,
         )
         print(chosen)
-        size = chosen.microbatch_size
+        microbatch_size = chosen.microbatch_size or size  # None was not a candidate
     print(
-        f"DP-SGD: {args.steps} steps of {args.batch_size} examples (sampled with replacement), "
-        f"{args.batch_size // size} microbatches of {size}"
+        f"DP-SGD: {args.steps} steps, Poisson sampling at q={q} (expected batch {expected:.1f}), "
+        f"padded to {size} = {size // microbatch_size} microbatches of {microbatch_size}"
     )
-    print(f"        clip C={CLIP_NORM}, noise sigma={NOISE_MULTIPLIER}, lr={LEARNING_RATE}")
+    print(f"        clip C={CLIP_NORM}, noise sigma={sigma}, lr={LEARNING_RATE}")
 
     start = time.perf_counter()
-    step = jax.jit(make_step(args.batch_size, size)).lower(*example).compile()
+    step = jax.jit(make_step(expected, sigma, microbatch_size)).lower(*example).compile()
     compile_s = time.perf_counter() - start
-    whole = jax.jit(make_step(args.batch_size, None)).lower(*example).compile()
+    whole = jax.jit(make_step(expected, sigma, None)).lower(*example).compile()
     micro_mib, whole_mib = temp_mib(step), temp_mib(whole)
     micro_ms, whole_ms = ms_per_call(step, example), ms_per_call(whole, example)
     print("one step, compiled temp memory and time (median of 5 calls):")
-    print(f"  microbatch_size={size:<6}{micro_mib:9.2f} MiB {micro_ms:8.1f} ms")
+    print(f"  microbatch_size={microbatch_size:<6}{micro_mib:9.2f} MiB {micro_ms:8.1f} ms")
     print(f"  microbatch_size=None  {whole_mib:9.2f} MiB {whole_ms:8.1f} ms")
     print(
         f"  ratio                 {whole_mib / micro_mib:9.1f}x  {micro_ms / whole_ms:7.2f}x time"
     )
 
     start = time.perf_counter()
-    params = jax.block_until_ready(train(step, params, data, train_key, args.steps))
+    batches = functools.partial(poisson_batch, rng, num_train, q, size)
+    params = jax.block_until_ready(train(step, params, data, batches, noise_key, args.steps))
     train_s = time.perf_counter() - start
     print(
         f"step compiled in {compile_s:.1f} s, trained in {train_s:.1f} s "
@@ -267,6 +321,13 @@ def main() -> None:
     print(
         f"accuracy on all {len(x_all)} digits: {micro:.2%} in {full} microbatches of "
         f"{EVAL_MICROBATCH} and one of {rest} (allow_remainder=True); {whole:.2%} at once"
+    )
+    eps = epsilon(noise_multiplier=sigma, sampling_rate=q, steps=args.steps, delta=args.delta)
+    overflow = args.steps * overflow_probability(num_train + 1, q, size)
+    print(
+        f"privacy: epsilon = {eps:.2f} at delta = {args.delta:g} for {args.steps} steps of "
+        f"Poisson sampling at q={q} with noise sigma={sigma} (PLD accountant, dp_accounting); "
+        f"the chance that a draw overflowed {size} rows (it would raise) was {overflow:.1e}"
     )
 
 

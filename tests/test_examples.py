@@ -73,6 +73,12 @@ def test_quick(script: str, expected: list[str]) -> None:
         assert line in out, f"{script} printed no {line!r}:\n{out}"
 
 
+def test_demo_reports_epsilon() -> None:
+    out = _run("dp_sgd_digits.py", "--steps", "10", "--microbatch-size", "128")
+    for line in ["padded to 512 = 4 microbatches of 128", "test accuracy:", "privacy: epsilon ="]:
+        assert line in out, f"dp_sgd_digits.py printed no {line!r}:\n{out}"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
