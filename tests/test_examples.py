@@ -73,6 +73,24 @@ def test_quick(script: str, expected: list[str]) -> None:
         assert line in out, f"{script} printed no {line!r}:\n{out}"
 
 
+def test_language_model_quick_dp() -> None:
+    """The quick language model: the token-weighted gradient against ``jax.grad`` of the
+    whole batch's token mean, training, evaluation with a remainder, a sample, then the
+    DP fine-tune with Poisson batches and its epsilon (from dp-accounting)."""
+    pytest.importorskip("dp_accounting")
+    out = _run("language_model.py", "--quick", "--dp")
+    expected = [
+        "check: micro_grad(MEAN, example_weights=tokens) matches its reference",
+        "Plan for batch_size=16",
+        "step     4  train",
+        "sample: ",
+        "DP fine-tune on",
+        "privacy: (",
+    ]
+    for line in expected:
+        assert line in out, f"language_model.py printed no {line!r}:\n{out}"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
