@@ -207,9 +207,9 @@ def make_dp_step(
     microbatch_size: int,
     args: argparse.Namespace,
 ) -> Step:
-    """``(params, opt_state, x, y, mask, sampled, key) -> (params, opt_state, mean loss,
-    fraction clipped)``: DP-SGD on a Poisson batch padded to a fixed size, whose rows
-    ``sampled`` marks."""
+    """``(params, opt_state, x, y, mask, sampled, key) -> (params, opt_state, token-mean
+    loss, fraction clipped)``: DP-SGD on a Poisson batch padded to a fixed size, whose
+    rows ``sampled`` marks."""
     clipped_sum = micro_grad(
         loss,
         batch_argnums=(1, 2, 3),
@@ -234,9 +234,12 @@ def make_dp_step(
         # Divided by the expected batch size, not the sampled one, which is private.
         grads = jax.tree.map(lambda g: g / args.expected_batch_size, noisy)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        count = jnp.maximum(jnp.sum(sampled), 1)
-        clipped = jnp.sum(sampled & (aux.metrics > args.clip_norm)) / count
-        return optax.apply_updates(params, updates), opt_state, jnp.sum(aux.values) / count, clipped
+        tokens = jnp.sum(mask, axis=1) * sampled
+        mean_loss = jnp.sum(aux.values * tokens) / jnp.maximum(jnp.sum(tokens), 1)
+        clipped = jnp.sum(sampled & (aux.metrics > args.clip_norm)) / jnp.maximum(
+            jnp.sum(sampled), 1
+        )
+        return optax.apply_updates(params, updates), opt_state, mean_loss, clipped
 
     return step
 
@@ -267,7 +270,8 @@ def sample(model: Decoder, prompt: str, length: int, key: jax.Array) -> str:
     in one compiled loop; the context is the last ``seq_len`` bytes."""
     seq_len = model.position.shape[0]
     start = list(bytes([START]) + prompt.encode())
-    tokens = jnp.zeros(len(start) + length, jnp.int32).at[: len(start)].set(jnp.array(start))
+    end = len(start) + length
+    tokens = jnp.zeros(max(end, seq_len), jnp.int32).at[: len(start)].set(jnp.array(start))
 
     @nnx.jit
     def generate(model: Decoder, tokens: jax.Array) -> jax.Array:
@@ -278,11 +282,9 @@ def sample(model: Decoder, prompt: str, length: int, key: jax.Array) -> str:
             token = jax.random.categorical(jax.random.fold_in(key, i), logits / 0.7)
             return tokens.at[i].set(token)
 
-        return jax.lax.fori_loop(len(start), len(tokens), draw, tokens)
+        return jax.lax.fori_loop(len(start), end, draw, tokens)
 
-    if len(tokens) < seq_len:
-        tokens = jnp.pad(tokens, (0, seq_len - len(tokens)))
-    out = np.asarray(generate(model, tokens))[1 : len(start) + length]
+    out = np.asarray(generate(model, tokens))[1:end]
     return bytes(out.astype(np.uint8)).decode("utf-8", errors="replace")
 
 
@@ -457,9 +459,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=6e-3)
     parser.add_argument(
         "--microbatch-size",
         type=int,
