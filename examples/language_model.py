@@ -30,7 +30,7 @@ of ``pydoc_data.topics``, about 460 KB of English and code, no download.
 
 Run::
 
-    python examples/language_model.py           # about 5 min on 2 CPUs
+    python examples/language_model.py           # about 4.5 min on 2 CPUs
     python examples/language_model.py --dp      # then a DP fine-tune and its ε (+2 min)
     python examples/language_model.py --quick   # a tiny model, a few steps (CI)
 """

@@ -7,7 +7,7 @@ exit status and their ``check`` lines are the test. ``examples/data_parallel.py`
 set-up the multi-device guide shows, runs as 2 processes of 2 CPU devices.
 
 All of them are marked ``examples`` (deselect with ``-m "not examples"``). They take
-about a minute together on 2 idle CPU cores, and are skipped under
+about 2 minutes together on 2 idle CPU cores, and are skipped under
 ``JAX_ENABLE_X64=1``: the scripts are written for float32, and one run is enough.
 """
 
