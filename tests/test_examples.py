@@ -7,7 +7,7 @@ exit status and their ``check`` lines are the test. ``examples/data_parallel.py`
 set-up the multi-device guide shows, runs as 2 processes of 2 CPU devices.
 
 All of them are marked ``examples`` (deselect with ``-m "not examples"``). They take
-about a minute together on 2 idle CPU cores, and are skipped under
+about 2 minutes together on 2 idle CPU cores, and are skipped under
 ``JAX_ENABLE_X64=1``: the scripts are written for float32, and one run is enough.
 """
 
@@ -77,6 +77,24 @@ def test_demo_reports_epsilon() -> None:
     out = _run("dp_sgd_digits.py", "--steps", "10", "--microbatch-size", "128")
     for line in ["padded to 512 = 4 microbatches of 128", "test accuracy:", "privacy: epsilon ="]:
         assert line in out, f"dp_sgd_digits.py printed no {line!r}:\n{out}"
+
+
+def test_language_model_quick_dp() -> None:
+    """The quick language model: the token-weighted gradient against ``jax.grad`` of the
+    whole batch's token mean, training, evaluation with a remainder, a sample, then the
+    DP fine-tune with Poisson batches and its epsilon (from dp-accounting)."""
+    pytest.importorskip("dp_accounting")
+    out = _run("language_model.py", "--quick", "--dp")
+    expected = [
+        "check: micro_grad(MEAN, example_weights=tokens) matches its reference",
+        "Plan for batch_size=16",
+        "step     4  train",
+        "sample: ",
+        "DP fine-tune on",
+        "privacy: (",
+    ]
+    for line in expected:
+        assert line in out, f"language_model.py printed no {line!r}:\n{out}"
 
 
 def _free_port() -> int:
