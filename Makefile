@@ -36,7 +36,7 @@ test-x64: $(STAMP)
 
 # The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
 docs: $(STAMP)
-	@echo "== mkdocs: the site into site/, warnings as errors (about 20 s)"
+	@echo "== mkdocs: the site into site/, warnings as errors (about 10 s)"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The site on http://$(SERVE_ADDR)/, rebuilt on every save of a page, a docstring, an
