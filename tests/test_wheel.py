@@ -8,7 +8,8 @@ nothing else, and in that environment, away from the checkout:
 environment's site-packages; the README's quickstart passes as a doctest; and pyright
 (from the development environment) reads the installed package as typed. Nothing is
 cached between runs, so a broken wheel cannot hide behind an old environment; the
-environment is the slow part (about 30 s, mostly pip unpacking jaxlib).
+environment is the slow part (about 30 s, mostly pip unpacking jaxlib). To test a wheel
+built elsewhere, as before a release, name it in $MICROBATCHING_WHEEL.
 
 The README's quickstart is the first ```` ```python ```` block after the first heading
 whose text contains "Quickstart" (any level, any case). It runs under the standard
@@ -112,6 +113,9 @@ def readme_quickstart(readme: str) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from this checkout, or the one that $MICROBATCHING_WHEEL names."""
+    if given := os.environ.get("MICROBATCHING_WHEEL"):
+        return Path(given).resolve(strict=True)
     out = tmp_path_factory.mktemp("dist")
     build = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, ROOT]
     _run(build, cwd=ROOT, timeout=120)
