@@ -176,8 +176,9 @@ def test_wheel_in_fresh_environment(wheel: Path, tmp_path: Path):
     quickstart = tmp_path / "quickstart.txt"
     quickstart.write_text(readme_quickstart((ROOT / "README.md").read_text()))
     runner = [python, "-c", QUICKSTART_RUNNER, quickstart]
-    ran = json.loads(_run(runner, cwd=tmp_path, timeout=300, env=env).splitlines()[-1])
-    assert ran["failed"] == 0 and ran["attempted"] > 0, ran
+    out = _run(runner, cwd=tmp_path, timeout=300, env=env)
+    ran = json.loads(out.splitlines()[-1])
+    assert ran["failed"] == 0 and ran["attempted"] > 0, out
     assert Path(ran["file"]) == site_packages / "microbatching" / "__init__.py"
     assert ran["found"] == []
 
