@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "Creating $(VENV) and installing the package with its extras (first run: a few minutes)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,demo,bench,docs,examples]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[test,demo,bench,docs,examples]'
 	touch $(STAMP)
 
 lint: $(STAMP)
