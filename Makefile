@@ -7,13 +7,13 @@ STAMP := $(VENV)/.installed
 WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(WORKERS) --dist worksteal --durations=15 --durations-min=2
 
-.PHONY: test test-x64 demo bench lint format clean docs
+.PHONY: test test-x64 demo bench lint format clean docs serve dist
 
 $(STAMP): pyproject.toml
 	@echo "Creating $(VENV) and installing the package with its extras (first run: a few minutes)..."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,demo,bench,docs,examples]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[test,demo,bench,docs,examples]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -25,19 +25,35 @@ lint: $(STAMP)
 
 # About 5 minutes on 2 idle cores: lint, docs, the suite, the x64 tests.
 test: lint docs
-	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 4 min)"
+	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 4 min; [done/total] ends each line)"
 	$(PYTEST)
 	$(MAKE) --no-print-directory test-x64
 
 # The dtype-sensitive tests (marker x64) again with 64-bit JAX.
 test-x64: $(STAMP)
-	@echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1 (under a minute)"
-	JAX_ENABLE_X64=1 $(PYTEST) -q -m x64 tests
+	@echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1, a line per test (1 to 3 min)"
+	JAX_ENABLE_X64=1 $(PYTEST) -v -m x64 tests
 
 # The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
 docs: $(STAMP)
-	@echo "== mkdocs: the site, warnings as errors"
+	@echo "== mkdocs: the site into site/, warnings as errors (about 10 s)"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The site on http://$(SERVE_ADDR)/, rebuilt on every save of a page, a docstring, an
+# included example or benchmark table. Not strict, so a broken link while writing does not
+# stop the server: `make docs` is the check.
+SERVE_ADDR ?= 127.0.0.1:8000
+serve: $(STAMP)
+	@echo "== mkdocs: serving the docs on http://$(SERVE_ADDR)/ (Ctrl-C stops)"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --no-strict --dev-addr $(SERVE_ADDR) --watch src
+
+# The sdist, and the wheel built from it in an isolated environment, into dist/. The wheel
+# alone in a fresh environment is tested by tests/test_wheel.py (part of `make test`).
+dist: $(STAMP)
+	@echo "== build: the sdist and the wheel into dist/ (about 5 s)"
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	@ls -l dist
 
 demo: $(STAMP)
 	$(BIN)/python examples/dp_sgd_digits.py

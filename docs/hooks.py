@@ -7,6 +7,8 @@
   the marker becomes a note saying how to make them.
 * A name in ``microbatching.__all__`` that the API page does not render with
   ``::: microbatching.<name>`` is a warning, so ``mkdocs build --strict`` fails.
+* A line that ends with ``<!-- GitHub only -->`` is dropped from the site: pages that need
+  the site (includes, the API reference) start with such a note for readers on GitHub.
 * ``FenceDoctests`` (a griffe extension, ``extensions:`` of mkdocstrings in mkdocs.yml)
   fences the bare ``>>>`` examples of the docstrings as ``pycon`` code blocks; Markdown
   would otherwise read ``>>>`` as three nested quotes and ``[...]`` in an output as a link.
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLOTS = ROOT / "benchmarks" / "plots"
 PLOTS_URI = "benchmarks/plots"
 MARKER = "<!-- benchmark plots -->"
+GITHUB_ONLY = re.compile(r"^.*<!-- GitHub only -->[ \t]*\n?", flags=re.MULTILINE)
 NO_PLOTS = (
     '!!! note "No plots yet"\n'
     "    `make bench` writes the plots to `benchmarks/plots/`; the next `make docs` shows"
@@ -50,7 +53,9 @@ def on_files(files: Any, *, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> str:
-    """Puts the plots (or a note) at the marker; checks the API page's coverage."""
+    """Drops the notes for GitHub, puts the plots (or a note) at the marker, and checks
+    the API page's coverage."""
+    markdown = GITHUB_ONLY.sub("", markdown)
     if page.file.src_uri == "api.md":
         _check_api_coverage(markdown)
     if MARKER not in markdown:

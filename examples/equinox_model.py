@@ -54,7 +54,6 @@ def mean_squared_error(model: eqx.nn.MLP, x: jax.Array, y: jax.Array) -> jax.Arr
     return jnp.mean((predictions - y) ** 2)
 
 
-# docs-start: eqx-ways (shown in docs/how-to/frameworks.md)
 def filtered_loss_and_grad(microbatch_size: int) -> Any:
     """Way 1: ``eqx.filter_value_and_grad`` inside ``microbatch``."""
     return microbatch(
@@ -75,9 +74,6 @@ def partitioned_loss_and_grad(static: Any, microbatch_size: int) -> Any:
         loss, argnums=(1, 2), microbatch_size=microbatch_size, accumulator=AccumulationType.MEAN
     )
     return jax.value_and_grad(mean_loss)
-
-
-# docs-end: eqx-ways
 
 
 def assert_trees_close(actual: Any, expected: Any, what: str) -> None:

@@ -70,7 +70,6 @@ def make_data(key: jax.Array, num_examples: int) -> tuple[jax.Array, jax.Array]:
     return x, jnp.argmax(x @ teacher, axis=-1)
 
 
-# docs-start: nnx-loss (shown in docs/how-to/frameworks.md)
 def loss_of(graphdef: Any, rest: Any) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """The mean cross-entropy as a function of the parameter state and a batch."""
 
@@ -86,9 +85,6 @@ def split(model: MLP) -> tuple[Any, Any, Any]:
     statistics or RNG counters, which are not differentiated; this MLP has none."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return graphdef, params, rest
-
-
-# docs-end: nnx-loss
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -107,7 +103,6 @@ def add_noise(tree: Any, key: jax.Array, std: float) -> Any:
     return jax.tree.unflatten(treedef, noisy)
 
 
-# docs-start: nnx-steps (shown in docs/how-to/frameworks.md)
 def make_dp_sgd_step(microbatch_size: int, clip_norm: float, noise_multiplier: float) -> Any:
     """A jitted DP-SGD step ``(model, optimizer, x, y, key) -> (mean loss, clipped %)``."""
 
@@ -149,9 +144,6 @@ def make_accumulation_step(microbatch_size: int) -> Any:
         return value
 
     return step
-
-
-# docs-end: nnx-steps
 
 
 def assert_trees_close(actual: Any, expected: Any, what: str) -> None:

@@ -80,7 +80,6 @@ def multisteps_step(optimizer: optax.MultiSteps) -> Callable[..., Any]:
     return step
 
 
-# docs-start: optax-step (shown in docs/how-to/frameworks.md)
 def microbatch_step(optimizer: optax.GradientTransformation, size: int) -> Callable[..., Any]:
     """One call per batch, the gradient averaged over microbatches of ``size`` rows."""
     loss_and_grad = microbatch(
@@ -97,9 +96,6 @@ def microbatch_step(optimizer: optax.GradientTransformation, size: int) -> Calla
         return optax.apply_updates(params, updates), state, value
 
     return step
-
-
-# docs-end: optax-step
 
 
 def run_multisteps(
