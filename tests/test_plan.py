@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from microbatching import (
@@ -580,3 +580,48 @@ def test_plan_with_example_weights_given_as_a_shape():
         memory_budget=1e9,
     )
     assert found.microbatch_size == 16
+
+
+def _fsdp_structs(spec):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    on = lambda shape, s: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, s))  # noqa: E731
+    params = {"w1": on((512, 512), spec), "w2": on((512, 8), spec)}
+    return mesh, params, on((1024, 512), P("data")), on((1024, 8), P("data"))
+
+
+def _two_layer(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+def test_plan_on_a_mesh_measures_per_device_and_chooses_where_to_gather():
+    """Issue 15: on 8 devices with FSDP parameters, plan's memory is per device (the
+    arguments are an eighth of the replicated ones'), a build that takes gather_params is
+    compiled both ways, and a budget between the two picks the per-microbatch gather."""
+
+    def build(m, gather_params):
+        return micro_grad(
+            _two_layer, batch_argnums=(1, 2), microbatch_size=m, gather_params=gather_params
+        )
+
+    mesh, params, x, y = _fsdp_structs(P("data", None))
+    _, whole, _, _ = _fsdp_structs(P())
+    with jax.set_mesh(mesh):
+        roomy = plan(build, params, x, y, candidates=[64, 256], memory_budget=2**30)
+        replicated = plan(build, whole, x, y, candidates=[64], memory_budget=2**30)
+        at_256 = {row.gather_params: row for row in roomy.table if row.microbatch_size == 256}
+        tight = (at_256["once"].total_bytes + at_256["per_microbatch"].total_bytes) // 2
+        chosen = plan(build, params, x, y, candidates=[64, 256], memory_budget=tight)
+    param_bytes = (512 * 512 + 512 * 8) * 4
+    batch_bytes = 1024 * (512 + 8) * 4
+    assert roomy.table[0].argument_bytes == (param_bytes + batch_bytes) // 8
+    assert replicated.table[0].argument_bytes == param_bytes + batch_bytes // 8
+    assert [(r.microbatch_size, r.gather_params) for r in roomy.table] == [
+        (64, "once"),
+        (64, "per_microbatch"),
+        (256, "once"),
+        (256, "per_microbatch"),
+    ]
+    assert (roomy.microbatch_size, roomy.gather_params) == (256, "once")
+    assert at_256["per_microbatch"].temp_bytes < at_256["once"].temp_bytes
+    assert (chosen.microbatch_size, chosen.gather_params) == (256, "per_microbatch")
+    assert "gather_params" in str(chosen).splitlines()[1]

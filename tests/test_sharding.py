@@ -459,3 +459,35 @@ def test_tensor_parallel_parameters_on_a_2d_auto_mesh(layout, path):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
     assert {k: in_loop[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
+
+
+def test_fsdp_step_memory_is_below_the_whole_batch_and_shrinks_with_the_microbatch():
+    """Issue 15's goal: with FSDP parameters (gathered per microbatch) the microbatched
+    step's temp per device is at most the whole-batch step's, and shrinks from
+    microbatch 512 to 64."""
+    mesh = _mesh(AxisType.Explicit)
+    params = {
+        "w1": random_array(14, (256, 2048), jnp.float32) / 16,
+        "w2": random_array(15, (2048, 16), jnp.float32) / 45,
+    }
+    x, y = random_array(16, (4096, 256), jnp.float32), random_array(17, (4096, 16), jnp.float32)
+
+    def whole(p, x, y):
+        return jax.grad(
+            lambda p: jnp.sum(jax.vmap(lambda a, b: _two_layer(p, a[None], b[None]))(x, y))
+        )(p)
+
+    def step(m):
+        return micro_grad(
+            _two_layer, batch_argnums=(1, 2), microbatch_size=m, gather_params="per_microbatch"
+        )
+
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P("data", None)))
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        full, at_512, at_64 = (
+            temp_bytes(whole, p, xs, ys),
+            temp_bytes(step(512), p, xs, ys),
+            temp_bytes(step(64), p, xs, ys),
+        )
+    assert at_64 < at_512 <= full

@@ -20,13 +20,11 @@ import numpy as np
 from . import _checks, _sharding
 from ._signature import OPTIONS
 
-Build = Callable[[int | None], Callable[..., Any]]
+Build = Callable[..., Callable[..., Any]]
+"""``build(microbatch_size)``, or ``build(microbatch_size, gather_params=...)``."""
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FLOP_UNITS = ("", "K", "M", "G", "T", "P", "E")
 _REMAINDER_FIX = "pass allow_remainder=True to the transform that build calls to try other sizes."
-
-
-"""The attribute that holds a ``Batching`` on the functions our transforms return."""
 
 
 class Batching(Protocol):
@@ -59,6 +57,9 @@ class PlanRow:
         when the compiled program still loops, its count is multiplied by
         ``num_microbatches``; work outside the loop is multiplied too, a small overestimate.
       fits: Whether ``total_bytes`` is at most the plan's memory budget.
+      gather_params: The ``gather_params`` this row was compiled with, when ``build``
+        takes that keyword (``micro_grad`` on parameters sharded over the batch's mesh
+        axis); else None.
 
     >>> import jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -78,6 +79,7 @@ class PlanRow:
     total_bytes: int
     flops: float | None
     fits: bool
+    gather_params: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,9 @@ class Plan:
       batch_size: The size of the batch axis that the function splits.
       table: One ``PlanRow`` per candidate, smallest microbatch size first, None last.
       allow_remainder: Whether the candidates need not divide ``batch_size``.
+      gather_params: The chosen row's ``gather_params``, when ``build`` takes it: at the
+        chosen size, ``"once"`` if it fits (fewer collectives), else
+        ``"per_microbatch"``; None otherwise.
 
     ``str(plan)`` renders the table, with the chosen row marked ``*``, and says why a
     prime batch size has no candidates but 1 and itself.
@@ -114,13 +119,19 @@ class Plan:
     batch_size: int
     table: tuple[PlanRow, ...]
     allow_remainder: bool = False
+    gather_params: str | None = None
 
     def __str__(self) -> str:
         header = (
             f"Plan for batch_size={self.batch_size} within memory_budget="
             f"{_bytes(self.memory_budget)} per device:"
         )
-        chosen = [row.fits and row.microbatch_size == self.microbatch_size for row in self.table]
+        chosen = [
+            row.fits
+            and row.microbatch_size == self.microbatch_size
+            and row.gather_params == self.gather_params
+            for row in self.table
+        ]
         footer = (
             "  total = temp + arguments + outputs - aliases; flops estimated for the batch."
             if any(chosen)
@@ -159,7 +170,11 @@ def plan(
 
     Args:
       build: ``build(microbatch_size)`` returns the function to run, e.g.
-        ``lambda m: jax.grad(microbatch(loss, (1, 2), m, AccumulationType.MEAN))``.
+        ``lambda m: jax.grad(microbatch(loss, (1, 2), m, AccumulationType.MEAN))``. If
+        it also takes a keyword ``gather_params``, as
+        ``lambda m, gather_params: micro_grad(..., gather_params=gather_params)``, each
+        size is compiled with ``"once"`` and with ``"per_microbatch"``, and the plan
+        chooses between them too (``Plan.gather_params``).
       *args: Example positional arguments of that function: arrays or
         ``jax.ShapeDtypeStruct``, possibly sharded. Only their shapes, dtypes and
         shardings are used.
@@ -206,15 +221,17 @@ def plan(
     """
     _checks.ensure_callable("build", build)
     labels, specs, treedef = _specs(args, kwargs)
-    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1)))
+    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, _gathers(build)[0])))
     remainder = _remainder(allow_remainder, batching)
     size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
     measured = _measure_all(build, treedef, specs, size, sizes)
-    table = tuple(PlanRow(*m, fits=m[4] <= budget) for m in measured)
-    fitting = [row.microbatch_size for row in table if row.fits]
-    result = Plan(fitting[-1] if fitting else None, budget, size, table, remainder)
+    table = tuple(PlanRow(*m[:6], fits=m[4] <= budget, gather_params=m[6]) for m in measured)
+    fitting = [row for row in table if row.fits]
+    best = fitting[-1].microbatch_size if fitting else None
+    gather = next((row.gather_params for row in fitting if row.microbatch_size == best), None)
+    result = Plan(best, budget, size, table, remainder, gather)
     if not fitting:
         raise ValueError(_nothing_fits(result))
     return result
@@ -442,20 +459,33 @@ def _measure_all(
     batch_size: int,
     sizes: tuple[int | None, ...],
 ) -> list[tuple[Any, ...]]:
-    """``(microbatch_size, num_microbatches, temp, total, flops)`` of each candidate."""
+    """``(microbatch_size, num_microbatches, temp, arguments, total, flops, gather)`` of
+    each candidate, and of each ``gather_params`` when ``build`` takes it."""
     args, kwargs = jax.tree.unflatten(treedef, specs)
     key = (treedef, tuple(specs), batch_size, jax.sharding.get_abstract_mesh())
     with _sharding.mesh_of(specs):
         return [
             _cached(
-                build, (*key, m), functools.partial(_measure, build, m, batch_size, args, kwargs)
+                build,
+                (*key, m, g),
+                functools.partial(_measure, build, m, g, batch_size, args, kwargs),
             )
             for m in sizes
+            for g in _gathers(build)
         ]
 
 
-def _built(build: Build, m: int | None) -> Callable[..., Any]:
-    fun = build(m)
+def _gathers(build: Build) -> tuple[str | None, ...]:
+    """The ``gather_params`` to try: both, if ``build`` takes that keyword."""
+    try:
+        takes = "gather_params" in inspect.signature(build).parameters
+    except (TypeError, ValueError):  # builtins may have no signature
+        takes = False
+    return ("once", "per_microbatch") if takes else (None,)
+
+
+def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[..., Any]:
+    fun = build(m) if gather is None else build(m, gather_params=gather)
     if not callable(fun):
         raise TypeError(
             f"build must return the function to run, but build({m}) returned {fun!r}; "
@@ -465,9 +495,9 @@ def _built(build: Build, m: int | None) -> Callable[..., Any]:
 
 
 def _measure(
-    build: Build, m: int | None, batch_size: int, args: Any, kwargs: Any
+    build: Build, m: int | None, gather: str | None, batch_size: int, args: Any, kwargs: Any
 ) -> tuple[Any, ...]:
-    fun = _built(build, m)
+    fun = _built(build, m, gather)
     try:
         compiled = jax.jit(fun).lower(*args, **kwargs).compile()
     except Exception as err:
@@ -487,7 +517,7 @@ def _measure(
     )
     n = 1 if m is None else -(-batch_size // m)
     arguments = memory.argument_size_in_bytes
-    return m, n, memory.temp_size_in_bytes, arguments, total, _flops(compiled, n)
+    return m, n, memory.temp_size_in_bytes, arguments, total, _flops(compiled, n), gather
 
 
 def _flops(compiled: Any, num_microbatches: int) -> float | None:
@@ -531,7 +561,8 @@ def _nothing_fits(result: Plan) -> str:
 
 def _render(table: tuple[PlanRow, ...], chosen: list[bool]) -> list[str]:
     """Aligned rows under a header; the chosen one starts with ``*``."""
-    head = ("microbatch_size", "microbatches", "temp", "total", "flops", "fits")
+    head: tuple[str, ...] = ("microbatch_size", "microbatches", "temp", "total", "flops", "fits")
+    gathers = any(row.gather_params is not None for row in table)
     cells = [
         (
             str(row.microbatch_size),
@@ -541,8 +572,10 @@ def _render(table: tuple[PlanRow, ...], chosen: list[bool]) -> list[str]:
             "?" if row.flops is None else _si(row.flops),
             "yes" if row.fits else "no",
         )
+        + ((str(row.gather_params),) if gathers else ())
         for row in table
     ]
+    head += ("gather_params",) if gathers else ()
     widths = [max(len(line[i]) for line in [head, *cells]) for i in range(len(head))]
     marks = [" ", *("*" if c else " " for c in chosen)]
     return [
