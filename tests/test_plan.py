@@ -543,7 +543,7 @@ def test_build_must_return_a_function():
         TypeError,
         match=r"build must return the function to run, but build\(1\) returned 1; return e.g. microbatch\(loss, 1, m\)\.",
     ):
-        plan(lambda m: m, X, memory_budget=HUGE, candidates=[1])  # type: ignore[arg-type]
+        plan(lambda m: m, X, memory_budget=HUGE, candidates=[1])
 
 
 def test_example_arguments_must_be_arrays():
