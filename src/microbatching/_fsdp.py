@@ -70,6 +70,7 @@ class Layout:
       homes: Per differentiated leaf (in ``jax.tree.leaves`` order of the differentiated
         arguments), its partition spec over ``axes`` only, one entry per dimension.
       trade: The choices, resolved.
+      per_shard: Whether the loop can run per shard (else: ``gathered_once``).
     """
 
     axes: tuple[str, ...]
@@ -77,6 +78,7 @@ class Layout:
     entry: Any
     homes: tuple[tuple[Any, ...], ...]
     trade: Trade
+    per_shard: bool = True
 
     @property
     def reduce_per_microbatch(self) -> bool:
@@ -156,35 +158,42 @@ def layout(
     differentiated: list[Any],
     mesh_axes: tuple[str, ...] | None,
     trade: Trade,
-    always: bool = False,
 ) -> Layout | None:
-    """The call's layout when the loop runs per shard: the batch is sharded, and a
-    differentiated leaf is sharded over the batch's axes, or its layout cannot be read
-    (inside ``jit`` on an Auto mesh), or ``always``. None otherwise: the loop runs on the
-    global arrays, as for replicated parameters."""
+    """The call's layout when the batch is sharded and a differentiated leaf is sharded
+    over the batch's axes, or its layout cannot be read (inside ``jit`` on an Auto mesh).
+    None otherwise: the loop runs on the global arrays, as for replicated parameters.
+
+    ``Layout.per_shard`` says whether the loop can run per shard; where it cannot (a
+    dimension split over the batch's axes and others together, or, on an Explicit mesh,
+    a leaf split over both), the parameters are gathered once (``gathered_once``).
+    """
     where = _layout.shards(batch_leaf, 0, mesh_axes)
     if where is None:
         return None
     axes = _names(where.entry)
-    homes, sharded, unknown = [], False, False
+    homes, sharded, unknown, per_shard = [], False, False, True
     for leaf in differentiated:
         spec = spec_of(leaf)
         unknown = unknown or spec is None
         full = [] if spec is None else list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
-        home = []
+        home, others = [], False
         for entry in full:
             names = _names(entry)
             mine = tuple(n for n in names if n in axes)
-            if mine and len(mine) != len(names):
-                return None  # a dimension split over batch and other axes: not per shard
+            per_shard = per_shard and not (mine and len(mine) != len(names))
+            others = others or len(mine) != len(names)
             home.append(None if not mine else mine[0] if len(mine) == 1 else mine)
         home += [None] * (jnp.ndim(leaf) - len(home))
-        sharded = sharded or any(e is not None for e in home)
+        mine_any = any(e is not None for e in home)
+        # psum_scatter of a leaf also split over Explicit axes of its own: not per shard.
+        per_shard = per_shard and not (mine_any and others and where.explicit)
+        sharded = sharded or mine_any
         homes.append(tuple(home))
-    if not (always or sharded or (unknown and not where.explicit)):
+    if not (sharded or (unknown and not where.explicit)):
         return None
     reduce = trade.reduce or ("per_microbatch" if sharded else "after_loop")
-    return Layout(axes, where.count, where.entry, tuple(homes), Trade(trade.gather, reduce))
+    trade = Trade(trade.gather, reduce)
+    return Layout(axes, where.count, where.entry, tuple(homes), trade, per_shard)
 
 
 KINDS = (
@@ -279,6 +288,23 @@ def gathered_once(
     return tuple(jax.tree.map(whole, a) if i in nums else a for i, a in enumerate(args))
 
 
+def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
+    """``x`` resharded so that the batch's mesh ``axes`` split it as ``spec`` says, its
+    other axes kept, where its Explicit type says otherwise; else ``x``."""
+    sharding = _sharding.explicit_sharding(x)
+    if sharding is None:
+        return x
+    have = _sharding.spec_of(sharding, jnp.ndim(x))
+    want = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    target = []
+    for current, wanted in zip(have, want, strict=True):
+        names = [n for n in _names(current) if n not in axes] + list(_names(wanted))
+        target.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    if target == have:
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*target))
+
+
 def run(
     layout: Layout,
     inner: Callable[[tuple[Any, ...], dict[str, Any], Any], Any],
@@ -313,6 +339,13 @@ def run(
     for i in nums:
         arg_specs[i] = jax.tree.map(lambda _: PartitionSpec(*next(homes)), args[i])
     kwarg_specs = {k: spec(k, v) for k, v in kwargs.items()}
+    weight_specs = None if weights is None else rows
+    # On an Explicit mesh an argument laid out otherwise over the batch's axes (a batch
+    # leaf or weights left whole, a frozen sharded parameter) is moved there first.
+    onto = functools.partial(_onto, axes=layout.axes)
+    args = tuple(jax.tree.map(onto, a, s) for a, s in zip(args, arg_specs, strict=True))
+    kwargs = {k: jax.tree.map(onto, v, kwarg_specs[k]) for k, v in kwargs.items()}
+    weights = None if weights is None else onto(weights, rows)
 
     def local(a: tuple[Any, ...], kw: dict[str, Any], w: Any) -> Any:
         if not layout.gather_per_microbatch:
@@ -332,7 +365,7 @@ def run(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(tuple(arg_specs), kwarg_specs, None if weights is None else rows),
+        in_specs=(tuple(arg_specs), kwarg_specs, weight_specs),
         out_specs=(specs, rows),
         axis_names=set(layout.axes),
     )

@@ -7,8 +7,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.core import Tracer
 
-from . import _accumulators, _checks, _clipping, _fsdp, _layout, _per_example, _signature, _vmap
+from . import (
+    _accumulators,
+    _checks,
+    _clipping,
+    _fsdp,
+    _layout,
+    _per_example,
+    _sharding,
+    _signature,
+    _vmap,
+)
 from ._accumulators import AccumulationType
 from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
@@ -217,7 +228,7 @@ def micro_grad(
     measure = None if metrics is no_metrics else metrics
     # ``local_step``: the same per-microbatch step for the loop per shard (``_fsdp.run``),
     # where each device folds its own rows and means are sums until the devices combine.
-    local = dataclasses.replace(settings, mesh_axes=None, progress=False)
+    local = dataclasses.replace(settings, mesh_axes=None)
     folds = _fsdp.local_kinds(accumulators)
     if is_summed:
         summed = _per_example.summed(example, accumulators, clipping, measure, settings, method)
@@ -297,13 +308,13 @@ def micro_grad(
         nums = example.nums()
         first = _per_example.find_batched(axes, positional, named)
         differentiated = jax.tree.leaves([positional[i] for i in nums if i < len(positional)])
-        size = settings.size
         layout = None
-        if first is not None:  # else the loop says what is missing
-            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade, not is_summed)
-        runs_per_shard = per_shard and not settings.allow_remainder and size is not None
-        if layout is not None and size is not None and runs_per_shard and size % layout.count == 0:
-            return run_per_shard(layout, size, positional, named)
+        if first is not None and not batched_grad:  # else the loop says what is missing
+            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade)
+        if layout is not None and per_shard and _runs_per_shard(layout, settings):
+            explicit = _sharding.explicit_sharding(first) is not None
+            if not (explicit and _closes_over_traced_values(positional, named)):
+                return run_per_shard(layout, settings.size or 0, positional, named)
         positional = _fsdp.gathered_once(layout, nums, positional)
         if gather and settings.mesh_axes:
             # The per-example norms read every parameter on every shard: gathered once
@@ -313,7 +324,30 @@ def micro_grad(
             )
         return looped(*positional, **named)
 
+    def _closes_over_traced_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether ``fun`` or the clipping options hold values traced by an enclosing
+        ``jit``: a ``shard_map`` on an Explicit mesh cannot close over them (JAX 0.10)."""
+        bound = () if clipping is None else (clipping.bound, clipping.normalize_by)
+        kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
+
+        def plain(x: Any) -> Any:  # its shape and dtype only: no layout to check
+            if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape, x.dtype)
+            return x
+
+        args, kwargs = jax.tree.map(plain, (args, kwargs))
+        closed = jax.make_jaxpr(_vmap.vmapped(example.loss, axes, jax.vmap))(*args, **kwargs)
+        return any(isinstance(x, Tracer) for x in [*jax.tree.leaves(bound), *closed.consts])
+
     return wraps(fun, checked, axes, settings, weights=True, describe=describe)
+
+
+def _runs_per_shard(layout: _fsdp.Layout, settings: Settings) -> bool:
+    """Whether the call's loop can run per shard: the layout allows it, there is no
+    remainder, and each shard holds the same rows of every microbatch."""
+    size = settings.size
+    divides = size is not None and size % layout.count == 0
+    return layout.per_shard and divides and not settings.allow_remainder
 
 
 def _clipping_of(

@@ -45,8 +45,8 @@ def step(
     widened = [_widen(c, requested) for c in consts]
 
     def compute(index: Any, widened: list[Any]) -> list[Any]:
-        if pin:
-            widened, index = jax.lax.optimization_barrier((widened, index))
+        if pin:  # one barrier per value: a barrier's outputs share their inputs' manual axes
+            widened = [jax.lax.optimization_barrier((w, index))[0] for w in widened]
         narrow = [w.astype(c.dtype) for w, c in zip(widened, consts, strict=True)]
         return jaxpr_as_fun(ClosedJaxpr(jaxpr.jaxpr, narrow))(*take(index))
 
