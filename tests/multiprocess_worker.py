@@ -9,7 +9,9 @@ Each process owns ``--local-devices`` CPU devices and the rows of the global bat
 land on them. Together they run one jitted DP-SGD-style ``micro_grad`` step (clip every
 per-example gradient to norm ``CLIP_NORM``, sum) over a mesh of all global devices, and
 each writes the gathered results and the collectives of the compiled program to its
-``--out`` JSON file.
+``--out`` JSON file. The same processes then take the gradients of a second model whose
+parameters are sharded ``P("data", None)`` over all devices (FSDP), without and with
+``l2_clip_norm``, and write those too.
 
 Importing this module has no side effects (the test imports the problem definition from
 it); JAX is configured and initialised only in ``main``.
@@ -37,6 +39,12 @@ NUM_FEATURES = 6
 HIDDEN = 5
 NUM_CLASSES = 3
 CLIP_NORM = 1.0
+FSDP_ROWS = 16  # the sharded dimension of the FSDP parameters: a multiple of the devices
+FSDP_SPEC = P("data", None)
+FSDP_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "l2_clip_norm": {"l2_clip_norm": CLIP_NORM},
+}
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 Params = dict[str, Any]
@@ -60,6 +68,25 @@ def make_problem() -> tuple[Params, np.ndarray, np.ndarray]:
     x = (rng.normal(size=(BATCH_SIZE, NUM_FEATURES)) * scale).astype(np.float32)
     y = (np.arange(BATCH_SIZE) % NUM_CLASSES).astype(np.int32)
     return params, x, y
+
+
+def make_fsdp_params() -> Params:
+    """The deterministic parameters of ``fsdp_loss``, each with ``FSDP_ROWS`` rows.
+
+    >>> {k: v.shape for k, v in make_fsdp_params().items()}
+    {'u': (16, 6), 'v': (16, 3)}
+    """
+    rng = np.random.default_rng(1)
+    return {
+        "u": (rng.normal(size=(FSDP_ROWS, NUM_FEATURES)) / 2).astype(np.float32),
+        "v": (rng.normal(size=(FSDP_ROWS, NUM_CLASSES)) / 2).astype(np.float32),
+    }
+
+
+def fsdp_loss(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean cross-entropy of a one-hidden-layer MLP whose weights are split by rows."""
+    log_probs = jax.nn.log_softmax(jnp.tanh(x @ params["u"].T) @ params["v"])
+    return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
 def loss_fn(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -121,6 +148,41 @@ def local_rows(sharding: NamedSharding, batch_size: int) -> slice:
     start, stop = min(r[0] for r in ranges), max(r[1] for r in ranges)
     assert sum(b - a for a, b in ranges) == stop - start, f"not contiguous: {sorted(ranges)}"
     return slice(start, stop)
+
+
+def run_fsdp(mesh: jax.sharding.Mesh, x: jax.Array, y: jax.Array) -> dict[str, Any]:
+    """``micro_grad`` of ``fsdp_loss`` with its parameters sharded ``FSDP_SPEC`` over all
+    devices, per ``FSDP_OPTIONS`` in one jitted step, and on an Auto mesh also called
+    eagerly (``"eager"``, default options): the gathered gradients and their layouts."""
+    sharding = NamedSharding(mesh, FSDP_SPEC)
+    params = {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+        for k, v in make_fsdp_params().items()
+    }
+    auto = mesh.axis_types == (AxisType.Auto,)
+    common: dict[str, Any] = {"batch_argnums": (1, 2), "microbatch_size": MICROBATCH_SIZE}
+    if auto:  # an Auto mesh inside jit does not show the batch's sharding
+        common["batch_mesh_axes"] = "data"
+    grads_fns = {name: micro_grad(fsdp_loss, **common, **o) for name, o in FSDP_OPTIONS.items()}
+
+    def step(params: Params, x: jax.Array, y: jax.Array) -> dict[str, Params]:
+        return {name: fn(params, x, y)[0] for name, fn in grads_fns.items()}
+
+    with jax.set_mesh(mesh):
+        grads = jax.jit(step)(params, x, y)
+        if auto:  # concrete arrays show their layout on an Auto mesh too
+            grads["eager"] = grads_fns["default"](params, x, y)[0]
+        host = multihost_utils.process_allgather(grads, tiled=True)
+    return {
+        name: {
+            "grads": {k: np.asarray(v).tolist() for k, v in host[name].items()},
+            "specs": {k: str(tuple(v.sharding.spec)) for k, v in tree.items()},
+            "shard_shapes": {
+                k: [list(s.data.shape) for s in v.addressable_shards] for k, v in tree.items()
+            },
+        }
+        for name, tree in grads.items()
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,6 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "grads": {k: np.asarray(v).tolist() for k, v in host_grads.items()},
         "values": np.asarray(host_values).tolist(),
         "norms": np.asarray(host_norms).tolist(),
+        "fsdp": run_fsdp(mesh, x, y),
     }
 
 

@@ -4,7 +4,10 @@ Each process runs ``multiprocess_worker.py``: it owns half of the global batch, 
 two together run one jitted DP-SGD-style step (clip every per-example gradient, sum)
 over a 4-device ``'data'`` mesh. The test checks the result against plain per-example
 ``jax.vmap(jax.grad)`` in this process, and that the compiled step moves no batch data
-between devices: its only collective is the all-reduce of the summed gradients.
+between devices: its only collective is the all-reduce of the summed gradients. The same
+processes then take the gradients of a model whose parameters are sharded over all
+devices of both processes (FSDP), which the test checks against per-example gradients
+summed in NumPy here, and that they come back sharded like the parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import microbatching
 
@@ -120,6 +124,43 @@ def _reference() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     return jax.tree.map(np.asarray, summed), np.asarray(values), np.asarray(norms)
 
 
+def _fsdp_reference() -> dict[str, dict[str, np.ndarray]]:
+    """Per ``worker.FSDP_OPTIONS``, the summed (and clipped) gradients of ``fsdp_loss``:
+    per-example gradients from ``jax.vmap(jax.grad)``, summed in float64 NumPy."""
+    params, (_, x, y) = worker.make_fsdp_params(), worker.make_problem()
+    per_example = jax.vmap(
+        jax.grad(lambda p, xi, yi: worker.fsdp_loss(p, xi[None], yi[None])), in_axes=(None, 0, 0)
+    )(params, jnp.asarray(x), jnp.asarray(y))
+    grads = {k: np.asarray(g, np.float64) for k, g in per_example.items()}
+    norms = np.sqrt(sum(np.sum(g.reshape(len(x), -1) ** 2, 1) for g in grads.values()))
+    assert 0 < np.sum(norms > worker.CLIP_NORM) < len(norms), "clipping should bind for some"
+    scale = np.minimum(1.0, worker.CLIP_NORM / norms)
+    return {
+        "default": {k: np.sum(g, 0) for k, g in grads.items()},
+        "l2_clip_norm": {k: np.tensordot(scale, g, 1) for k, g in grads.items()},
+    }
+
+
+def _check_fsdp(result: dict[str, Any], axis_type: str) -> None:
+    """One process's FSDP gradients: exact, and sharded like the parameters where the
+    layout can be read (an Explicit mesh, or concrete arrays); inside ``jit`` on an Auto
+    mesh it cannot, and they come back replicated (see ``_fsdp.py``)."""
+    wants = _fsdp_reference()
+    names = [*worker.FSDP_OPTIONS, *(["eager"] if axis_type == "auto" else [])]
+    assert sorted(result["fsdp"]) == sorted(names)
+    rows = worker.FSDP_ROWS // (NUM_PROCESSES * LOCAL_DEVICES)
+    for name, got in result["fsdp"].items():
+        grads = {k: np.asarray(v) for k, v in got["grads"].items()}
+        terms = worker.BATCH_SIZE // worker.MICROBATCH_SIZE
+        assert_close(
+            grads, wants["default" if name == "eager" else name], dtype=np.float32, terms=terms
+        )
+        spec = worker.FSDP_SPEC if axis_type == "explicit" or name == "eager" else P()
+        assert got["specs"] == dict.fromkeys(grads, str(tuple(spec))), name
+        local = {k: [rows if spec else g.shape[0], g.shape[1]] for k, g in grads.items()}
+        assert got["shard_shapes"] == {k: [s] * LOCAL_DEVICES for k, s in local.items()}, name
+
+
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_micro_grad_across_processes(tmp_path: pathlib.Path, axis_type: str) -> None:
     results = _run_workers(tmp_path, axis_type)
@@ -151,3 +192,4 @@ def test_micro_grad_across_processes(tmp_path: pathlib.Path, axis_type: str) -> 
         # Under Explicit axes the per-device partial sums are all-reduced once, after the loop.
         in_loops = 0 if axis_type == "explicit" else 1
         assert result["all_reduces_in_loops"] == in_loops, f"all-reduce placement: {result}"
+        _check_fsdp(result, axis_type)
