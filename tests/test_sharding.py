@@ -527,3 +527,24 @@ def test_gradient_through_the_loop_with_fsdp_parameters(axis_type, which):
         np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-5)
     if axis_type is AxisType.Explicit:
         assert in_loop == {**dict.fromkeys(MOVES_DATA, 0), "all-reduce": 1}
+
+
+def test_micro_vmap_with_an_unmapped_argument_split_over_the_batch_axis():
+    """On an Explicit mesh, an unmapped argument split over the batch's axis (FSDP
+    weights passed to micro_vmap) is gathered once; its gradient comes back split."""
+    mesh, params, x, _ = _fsdp_setup(AxisType.Explicit)
+    w = params["w1"]
+    fun = micro_vmap(
+        lambda w, a: jnp.tanh(a @ w),
+        in_axes=(None, 0),
+        microbatch_size=64,
+        accumulator=AccumulationType.SUM,
+    )
+    want = np.sum(np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64)), 0)
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(w, NamedSharding(mesh, P("data", None)))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        got = jax.jit(fun)(ws, xs)
+        grad = jax.jit(jax.grad(lambda w, x: jnp.sum(fun(w, x))))(ws, xs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert grad.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)

@@ -370,3 +370,35 @@ def run(
         axis_names=set(layout.axes),
     )
     return mapped(tuple(args), kwargs, weights)
+
+
+def whole_over_batch_axes(
+    batched: Callable[[int | str], bool], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments, those without a batch axis made whole over the batch's mesh
+    axes where their Explicit type splits them there (``micro_vmap`` maps the shards of
+    the batch, and JAX cannot map over a mesh axis that splits an unmapped value)."""
+    batch = [a for i, a in enumerate(args) if batched(i)]
+    batch += [v for k, v in kwargs.items() if batched(k)]
+    leaves = jax.tree.leaves(batch)
+    sharding = _sharding.explicit_sharding(leaves[0]) if leaves else None
+    if sharding is None:
+        return args, kwargs
+    axes = _names(_sharding.spec_of(sharding, jnp.ndim(leaves[0]))[0])
+    if not axes:
+        return args, kwargs
+
+    def whole(x: Any) -> Any:
+        own = _sharding.explicit_sharding(x)
+        if own is None:
+            return x
+        spec = _sharding.spec_of(own, jnp.ndim(x))
+        kept = []
+        for entry in spec:
+            rest = tuple(n for n in _names(entry) if n not in axes)
+            kept.append(None if not rest else rest[0] if len(rest) == 1 else rest)
+        return x if kept == spec else jax.sharding.reshard(x, PartitionSpec(*kept))
+
+    args = tuple(a if batched(i) else jax.tree.map(whole, a) for i, a in enumerate(args))
+    kwargs = {k: v if batched(k) else jax.tree.map(whole, v) for k, v in kwargs.items()}
+    return args, kwargs

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from . import _accumulators, _checks, _signature
+from . import _accumulators, _checks, _fsdp, _signature
 from ._accumulators import AccumulationType
 from ._loop import loop
 from ._signature import WEIGHTS, BatchAxes
@@ -114,8 +114,21 @@ def micro_vmap(
 
 
 def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
-    """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch."""
-    return loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings)
+    """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch.
+
+    Unmapped arguments that an Explicit mesh splits over the batch's axes are gathered
+    once, before the loop (``_fsdp.whole_over_batch_axes``).
+    """
+    looped = loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings)
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        weights = kwargs.pop(WEIGHTS, None)
+        args, kwargs = axes.to_positions(args, kwargs)
+        args, kwargs = _fsdp.whole_over_batch_axes(lambda w: axes.spec(w) is not None, args, kwargs)
+        extra = {} if weights is None else {WEIGHTS: weights}
+        return looped(*args, **kwargs, **extra)
+
+    return called
 
 
 def aggregated(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
