@@ -1157,3 +1157,12 @@ def test_a_traced_bound_that_is_not_positive_and_finite_makes_the_sum_nan(bound)
 
     assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(step(jnp.float32(bound))))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(step(jnp.float32(CLIP))))
+
+
+@pytest.mark.parametrize("method", ["two_pass", "chunked"])
+def test_nan_safe_refuses_the_methods_that_cannot_drop_a_nan_example(method):
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_grad was given clip_method='{method}' and nan_safe=True, but '{method}' takes the gradient of the losses weighted by the clip factors, and an example whose loss is not finite makes that gradient NaN even at factor 0; pass clip_method='auto', 'ghost' or 'materialize', which drop it\.",
+    ):
+        micro_grad(lambda w, x: jnp.sum(x * w), l2_clip_norm=1.0, nan_safe=True, clip_method=method)

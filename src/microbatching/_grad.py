@@ -197,6 +197,13 @@ def micro_grad(
             "loss by one factor, and a pytree l2_clip_norm, which needs one factor per "
             "subtree; pass clip_method='ghost', 'materialize' or 'auto'."
         )
+    if method in ("two_pass", "chunked") and clipping and clipping.nan_safe:
+        raise ValueError(
+            f"micro_grad was given clip_method={method!r} and nan_safe=True, but "
+            f"{method!r} takes the gradient of the losses weighted by the clip factors, "
+            "and an example whose loss is not finite makes that gradient NaN even at "
+            "factor 0; pass clip_method='auto', 'ghost' or 'materialize', which drop it."
+        )
     if method == "ghost" and metrics not in (no_metrics, _per_example.l2_norm):
         raise ValueError(
             f"micro_grad was given clip_method='ghost' and metrics_fn={metrics!r}, which "
