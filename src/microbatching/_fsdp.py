@@ -182,7 +182,7 @@ def layout(
             mine = tuple(n for n in names if n in axes)
             per_shard = per_shard and not (mine and len(mine) != len(names))
             others = others or len(mine) != len(names)
-            home.append(None if not mine else mine[0] if len(mine) == 1 else mine)
+            home.append(_entry(mine))
         home += [None] * (jnp.ndim(leaf) - len(home))
         mine_any = any(e is not None for e in home)
         # psum_scatter of a leaf also split over Explicit axes of its own: not per shard.
@@ -273,19 +273,29 @@ def gathered_once(
     if layout is None:
         return args
 
-    def whole(x: Any) -> Any:
-        spec = spec_of(x)
-        if spec is None:
-            return x
-        kept = []
-        for entry in spec:
-            rest = tuple(n for n in _names(entry) if n not in layout.axes)
-            kept.append(None if not rest else rest[0] if len(rest) == 1 else rest)
-        if _sharding.explicit_sharding(x) is not None:
-            return jax.sharding.reshard(x, PartitionSpec(*kept))
-        return jax.lax.with_sharding_constraint(x, PartitionSpec(*kept))
-
+    whole = functools.partial(_whole_over, axes=layout.axes)
     return tuple(jax.tree.map(whole, a) if i in nums else a for i, a in enumerate(args))
+
+
+def _entry(names: Any) -> Any:
+    """A partition spec entry that names ``names``: None, one axis, or a tuple of them."""
+    names = tuple(names)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _whole_over(x: Any, axes: tuple[str, ...]) -> Any:
+    """``x`` made whole over the mesh ``axes``, its other axes kept, where its layout can
+    be read (``spec_of``): resharded on an Explicit mesh, constrained on an Auto one."""
+    spec = spec_of(x)
+    if spec is None:
+        return x
+    have = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    kept = [_entry(n for n in _names(e) if n not in axes) for e in have]
+    if kept == have:
+        return x
+    if _sharding.explicit_sharding(x) is not None:
+        return jax.sharding.reshard(x, PartitionSpec(*kept))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*kept))
 
 
 def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
@@ -298,8 +308,7 @@ def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
     want = list(spec) + [None] * (jnp.ndim(x) - len(spec))
     target = []
     for current, wanted in zip(have, want, strict=True):
-        names = [n for n in _names(current) if n not in axes] + list(_names(wanted))
-        target.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+        target.append(_entry([n for n in _names(current) if n not in axes] + [*_names(wanted)]))
     if target == have:
         return x
     return jax.sharding.reshard(x, PartitionSpec(*target))
@@ -388,17 +397,7 @@ def whole_over_batch_axes(
     if not axes:
         return args, kwargs
 
-    def whole(x: Any) -> Any:
-        own = _sharding.explicit_sharding(x)
-        if own is None:
-            return x
-        spec = _sharding.spec_of(own, jnp.ndim(x))
-        kept = []
-        for entry in spec:
-            rest = tuple(n for n in _names(entry) if n not in axes)
-            kept.append(None if not rest else rest[0] if len(rest) == 1 else rest)
-        return x if kept == spec else jax.sharding.reshard(x, PartitionSpec(*kept))
-
+    whole = functools.partial(_whole_over, axes=axes)
     args = tuple(a if batched(i) else jax.tree.map(whole, a) for i, a in enumerate(args))
     kwargs = {k: v if batched(k) else jax.tree.map(whole, v) for k, v in kwargs.items()}
     return args, kwargs
