@@ -270,6 +270,22 @@ def check_shards(leaf: Any, axis: int, microbatch_size: int, label: str) -> Any:
     return sharding
 
 
+def reads_view(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> bool:
+    """Whether microbatches of ``leaf`` are read from its ``split`` view, or gathered by
+    row (``take_rows`` of rows ``i, i + n, ...``: the same rows).
+
+    Indexing the view of a batch of rank 3 or more (images ``(B, H, W, C)``, sequences
+    ``(B, T, D)``) makes XLA:CPU copy the whole batch into another layout before the
+    loop: a CNN's gradient at microbatch 256 took 25.3, 34.5 and 71.3 MiB of temp at
+    batch 1k, 4k and 16k, against a flat 22.4 with the row gather, as a contiguous
+    ``dynamic_slice`` loop takes. Rows of rank 1 or 2 read from the view in place. A
+    sharded batch axis keeps the view, whose microbatches stay on their devices.
+    """
+    if jnp.ndim(leaf) <= 2:
+        return True
+    return shards(leaf, axis, mesh_axes) is not None
+
+
 def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
     """Microbatch ``index`` of a view made by ``split``, batch axis back at ``axis``."""
     return jax.lax.dynamic_index_in_dim(view, index, axis + 1, keepdims=False)

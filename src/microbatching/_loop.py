@@ -193,11 +193,18 @@ class Loop:
         if not batch.remainder:
             views = [
                 _layout.split(batch.leaves[i], ax, size, batch.labels[i])
+                if _layout.reads_view(batch.leaves[i], ax, self.mesh_axes)
+                else None
                 for i, ax in zip(batched, axes, strict=True)
             ]
+            leaves = [batch.leaves[i] for i in batched]
 
             def read(index: Any) -> list[Any]:
-                return [_layout.take(v, ax, index) for v, ax in zip(views, axes, strict=True)]
+                rows = index + batch.full * jax.numpy.arange(size)
+                return [
+                    _layout.take_rows(leaf, ax, rows) if v is None else _layout.take(v, ax, index)
+                    for v, leaf, ax in zip(views, leaves, axes, strict=True)
+                ]
 
         else:
             for i, ax in zip(batched, axes, strict=True):
