@@ -1,5 +1,5 @@
-"""Privacy accounting for the DP-SGD examples: ε of Poisson-subsampled Gaussian steps, and
-Poisson batches padded to one fixed size.
+"""Privacy for the DP-SGD examples: ε of Poisson-subsampled Gaussian steps, Poisson
+batches padded to one fixed size, and the Gaussian noise itself (``gaussian_like``).
 
 A DP-SGD step samples every example of the data set independently with probability
 ``sampling_rate``, clips each sampled example's gradient to norm ``C``, sums, and adds
@@ -28,8 +28,10 @@ as the run's δ.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import dp_accounting
+import jax
 import numpy as np
 from dp_accounting.pld import PLDAccountant
 
@@ -178,3 +180,14 @@ def _check_count(num_examples: int) -> None:
 def _check_rate(sampling_rate: float) -> None:
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate=}")
+
+
+def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
+    """Independent N(0, std^2) noise with the structure and shapes of ``tree``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    noise = [
+        std * jax.random.normal(k, leaf.shape, leaf.dtype)
+        for k, leaf in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, noise)

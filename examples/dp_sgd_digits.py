@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from accounting import epsilon, overflow_probability, padded_size, poisson_batch
+from accounting import epsilon, gaussian_like, overflow_probability, padded_size, poisson_batch
 from sklearn.datasets import load_digits
 from tqdm import tqdm
 
@@ -109,17 +109,6 @@ def loss_fn(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     """Mean cross-entropy of a batch (``micro_grad`` passes batches of one)."""
     log_probs = jax.nn.log_softmax(logits(params, x))
     return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
-
-
-def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
-    """Independent N(0, std^2) noise with the structure and shapes of ``tree``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    noise = [
-        std * jax.random.normal(k, leaf.shape, leaf.dtype)
-        for k, leaf in zip(keys, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, noise)
 
 
 def make_step(expected_batch: float, noise_multiplier: float, microbatch_size: int | None) -> Step:

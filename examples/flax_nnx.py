@@ -34,8 +34,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from checks import assert_trees_close
 from flax import nnx
 
 from microbatching import AccumulationType, l2_norm, micro_grad, microbatch
@@ -144,18 +144,6 @@ def make_accumulation_step(microbatch_size: int) -> Any:
         return value
 
     return step
-
-
-def assert_trees_close(actual: Any, expected: Any, what: str) -> None:
-    """Raises if two pytrees of arrays differ beyond float32 rounding."""
-    pairs = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
-    worst = max(
-        float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
-        for a, b in (jax.device_get(pair) for pair in pairs)
-    )
-    if worst > 1e-4:
-        raise AssertionError(f"{what}: relative difference {worst:.2e}")
-    print(f"check: {what} matches its reference (max relative difference {worst:.1e})")
 
 
 def check_gradients(model: MLP, x: jax.Array, y: jax.Array, args: argparse.Namespace) -> None:

@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from accounting import epsilon, padded_size, poisson_batch
+from accounting import epsilon, gaussian_like, padded_size, poisson_batch
+from checks import assert_trees_close
 from flax import nnx
 
 import microbatching
@@ -190,17 +191,6 @@ def make_train_step(
     return step
 
 
-def gaussian_like(key: jax.Array, tree: Any, std: float) -> Any:
-    """Independent N(0, std^2) noise with the structure and shapes of ``tree``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    noise = [
-        std * jax.random.normal(k, leaf.shape, leaf.dtype)
-        for k, leaf in zip(keys, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, noise)
-
-
 def make_dp_step(
     loss: Callable[..., jax.Array],
     optimizer: optax.GradientTransformation,
@@ -286,18 +276,6 @@ def sample(model: Decoder, prompt: str, length: int, key: jax.Array) -> str:
 
     out = np.asarray(generate(model, tokens))[1:end]
     return bytes(out.astype(np.uint8)).decode("utf-8", errors="replace")
-
-
-def assert_trees_close(actual: Any, expected: Any, what: str) -> None:
-    """Raises if two pytrees of arrays differ beyond float32 rounding."""
-    pairs = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
-    worst = max(
-        float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
-        for a, b in (jax.device_get(pair) for pair in pairs)
-    )
-    if worst > 1e-4:
-        raise AssertionError(f"{what}: relative difference {worst:.2e}")
-    print(f"check: {what} matches its reference (max relative difference {worst:.1e})")
 
 
 def check_token_weighting(

@@ -17,6 +17,8 @@ from fractions import Fraction
 from typing import Any
 
 import accounting
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -210,3 +212,16 @@ def test_poisson_batch_rejects(args: tuple[Any, Any, Any], match: str) -> None:
 def test_padded_size_rejects() -> None:
     with pytest.raises(ValueError, match=r"max_overflow must be in \(0, 1\), got max_overflow=0"):
         accounting.padded_size(100, 0.1, max_overflow=0)
+
+
+def test_gaussian_like_draws_independent_noise_of_the_tree_shape():
+    """Per leaf: the tree's shapes and dtypes, mean 0 and standard deviation ``std``
+    (100,000 draws: within 5 standard errors), and leaves drawn independently."""
+    tree = {"a": jnp.zeros((100_000,), jnp.float32), "b": [jnp.zeros((100_000,), jnp.float32)]}
+    noise = accounting.gaussian_like(jax.random.key(0), tree, 0.5)
+    assert jax.tree.structure(noise) == jax.tree.structure(tree)
+    a, b = np.asarray(noise["a"], np.float64), np.asarray(noise["b"][0], np.float64)
+    assert noise["a"].dtype == jnp.float32
+    np.testing.assert_allclose([a.mean(), b.mean()], 0.0, rtol=0, atol=5 * 0.5 / 100_000**0.5)
+    np.testing.assert_allclose([a.std(), b.std()], 0.5, rtol=5 / (2 * 100_000) ** 0.5, atol=0)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / 100_000**0.5
