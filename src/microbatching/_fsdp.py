@@ -123,9 +123,7 @@ def _all_gather(x: Any, home: tuple[Any, ...], axes: tuple[str, ...]) -> Any:
     for dim, entry in enumerate(home):
         if entry is not None:
             x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    varying = set(getattr(manual, "varying", ()))
-    missing = tuple(name for name in axes if name not in varying)
+    missing = tuple(name for name in axes if name not in _sharding.varying(jax.typeof(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

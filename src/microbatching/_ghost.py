@@ -573,8 +573,7 @@ def _zeros(aval: Any) -> jax.Array:
     """Zeros of ``aval``'s type, varying over the same manual mesh axes (``shard_map``):
     the cotangent of a tap that did not vary would be summed over those axes."""
     zeros = jnp.zeros(aval.shape, aval.dtype)
-    manual = getattr(aval, "manual_axis_type", None)
-    varying = tuple(sorted(getattr(manual, "varying", ())))
+    varying = _sharding.varying(aval)
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 

@@ -351,8 +351,7 @@ class Run:
             # No example of non-zero weight: no microbatch runs, so that what the rows
             # hold reaches no gradient either (every row would be a stand-in).
             live = jax.numpy.any(batch.leaves[batch.weights] != 0)
-            manual = getattr(jax.typeof(live), "manual_axis_type", None)
-            varying = tuple(sorted(getattr(manual, "varying", ())))
+            varying = _sharding.varying(jax.typeof(live))
             if varying:  # inside shard_map: every device runs, or none (the body may hold
                 # collectives that a device skipping it would leave the others waiting on)
                 live = jax.lax.psum(live.astype(jax.numpy.int32), varying) > 0

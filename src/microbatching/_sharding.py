@@ -64,6 +64,12 @@ def full(struct: Any, fill: Any, dtype: Any = None) -> jax.Array:
     aval = struct if isinstance(struct, jax.ShapeDtypeStruct) else jax.typeof(struct)
     dtype = aval.dtype if dtype is None else dtype
     out = jax.numpy.full(aval.shape, fill, dtype, out_sharding=explicit_sharding(struct))
+    axes = varying(aval)
+    return jax.lax.pcast(out, axes, to="varying") if axes else out
+
+
+def varying(aval: Any) -> tuple[str, ...]:
+    """The manual mesh axes (inside ``shard_map``) over which values of type ``aval`` (an
+    abstract value or a ``ShapeDtypeStruct``) vary; () elsewhere."""
     manual = getattr(aval, "manual_axis_type", None)
-    varying = tuple(sorted(getattr(manual, "varying", ())))
-    return jax.lax.pcast(out, varying, to="varying") if varying else out
+    return tuple(sorted(getattr(manual, "varying", ())))

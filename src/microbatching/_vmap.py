@@ -119,16 +119,11 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
     Unmapped arguments that an Explicit mesh splits over the batch's axes are gathered
     once, before the loop (``_fsdp.whole_over_batch_axes``).
     """
-    looped = loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings)
 
-    def called(*args: Any, **kwargs: Any) -> Any:
-        weights = kwargs.pop(WEIGHTS, None)
-        args, kwargs = axes.to_positions(args, kwargs)
-        args, kwargs = _fsdp.whole_over_batch_axes(lambda w: axes.spec(w) is not None, args, kwargs)
-        extra = {} if weights is None else {WEIGHTS: weights}
-        return looped(*args, **kwargs, **extra)
+    def whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _fsdp.whole_over_batch_axes(lambda w: axes.spec(w) is not None, args, kwargs)
 
-    return called
+    return loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings, whole)
 
 
 def aggregated(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
@@ -148,12 +143,18 @@ def aggregated(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settin
     return per_microbatch
 
 
-def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> Function:
+def loop_over(
+    per_microbatch: Function,
+    axes: BatchAxes,
+    settings: Settings,
+    prepare: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
+) -> Function:
     """The loop over ``per_microbatch(weights, *args, **kwargs)``, called as ``fun`` would
     be called, with an optional ``example_weights=``.
 
-    Keyword arguments that name positional parameters become positional first. Profiler
-    spans: ``{span}_size_{m}`` and ``micro_vmap_size_{m}``, as optax.microbatching writes.
+    Keyword arguments that name positional parameters become positional first, then
+    ``prepare(args, kwargs)`` may lay them out for the loop. Profiler spans:
+    ``{span}_size_{m}`` and ``micro_vmap_size_{m}``, as optax.microbatching writes.
     """
     looped = loop(per_microbatch, axes, settings)
     outer = f"{settings.span}_size_{settings.size}"
@@ -162,6 +163,8 @@ def loop_over(per_microbatch: Function, axes: BatchAxes, settings: Settings) -> 
     def called(*args: Any, **kwargs: Any) -> Any:
         weights = kwargs.pop(WEIGHTS, None)  # a copy: ** made it
         args, kwargs = axes.to_positions(args, kwargs)
+        if prepare is not None:
+            args, kwargs = prepare(args, kwargs)
         with (
             jax.named_scope(outer),
             contextlib.nullcontext() if outer == inner else jax.named_scope(inner),
