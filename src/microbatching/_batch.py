@@ -283,6 +283,22 @@ def _bound(count: Count, total: int) -> int | jax.Array:
     return jax.numpy.clip(count, 0, total).astype(np.int32)
 
 
+def leaf_axes(
+    binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, int | None]]:
+    """The name and batch axis (None: not batched) of each leaf of ``(args, kwargs)``, in
+    ``jax.tree.flatten`` order."""
+    out: list[tuple[str, int | None]] = []
+    for where, arg in [*enumerate(args), *sorted(kwargs.items())]:
+        label = binding.label(where)
+        paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]
+        ]
+        axes = _axes_per_leaf(binding.spec(where), arg, label)
+        out += [(label + path, axis) for path, axis in zip(paths, axes, strict=True)]
+    return out
+
+
 def _axes_per_leaf(spec: AxisSpec, arg: Any, label: str) -> list[int | None]:
     """Broadcasts one argument's axis spec (a pytree prefix) to its leaves."""
     out: list[int | None] = []

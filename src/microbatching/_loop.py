@@ -19,7 +19,17 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from . import _accumulators, _batch, _eager, _layout, _programs, _progress, _remat, _sharding
+from . import (
+    _accumulators,
+    _batch,
+    _convs,
+    _eager,
+    _layout,
+    _programs,
+    _progress,
+    _remat,
+    _sharding,
+)
 from ._batch import Batch
 from ._signature import BatchAxes
 from ._typing import Function
@@ -291,11 +301,12 @@ def _trace(body: Function, loop: Loop) -> Programs:
 
     def traced(structs: list[Any]) -> tuple[ClosedJaxpr, Any]:
         try:
-            return jax.make_jaxpr(call, return_shape=True)(structs)
+            program, shapes = jax.make_jaxpr(call, return_shape=True)(structs)
         except Exception as err:
             if _mutates_outer_state(err):
                 err.add_note(STATE_HINT)
             raise
+        return _convs.canonical(program), shapes
 
     main, shapes = traced(
         [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _accumulators, _checks, _signature
+from . import _accumulators, _checks, _fused, _signature
 from ._accumulators import AccumulationType
 from ._loop import loop
 from ._typing import AccumulatorTree, Count, InAxes, P
@@ -24,6 +24,7 @@ def microbatch(
     accumulation_dtype: Any = None,
     progress: bool = False,
     allow_remainder: bool = False,
+    fused_gradient: bool = False,
 ) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
@@ -65,6 +66,16 @@ def microbatch(
         ``num_real_microbatches``). SUM and CONCAT combine it as any other; MEAN and
         RUNNING_MEAN weight each microbatch by its rows, so that a ``fun`` that averages
         over its rows gives the mean over the whole batch.
+      fused_gradient: Compute the gradient of the result in the same loop as the result,
+        for ``jax.grad`` and ``jax.value_and_grad`` of the returned function: each
+        microbatch's gradient is taken right after its value and accumulated alongside,
+        instead of a second loop that runs every microbatch's forward pass again. It
+        costs what ``microbatch(jax.value_and_grad(fun))`` costs, against about 1.2-1.45x
+        for the default. Reverse mode only (``jax.jvp`` of the returned function is
+        refused; of its gradient it works); the accumulator must be SUM, MEAN or
+        RUNNING_MEAN; only floating scalar outputs may be differentiated, and only with
+        respect to arguments without a batch axis. Calls that are not differentiated
+        run the plain loop.
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.
@@ -93,7 +104,13 @@ def microbatch(
         progress=_checks.ensure_bool("progress", progress),
         allow_remainder=_checks.ensure_bool("allow_remainder", allow_remainder),
     )
+    fused = _checks.ensure_bool("fused_gradient", fused_gradient)
+    if fused:
+        _fused.check(settings)
     if settings.size is None:
         return wraps(fun, fun, axes, settings)
     looped = loop(lambda weights, *args, **kwargs: fun(*args, **kwargs), axes, settings)
-    return wraps(fun, lambda *args, **kwargs: looped(args, kwargs, None), axes, settings)
+    forward = lambda *args, **kwargs: looped(args, kwargs, None)  # noqa: E731
+    if fused:
+        forward = _fused.fused(fun, axes, settings, forward)
+    return wraps(fun, forward, axes, settings)

@@ -1,0 +1,206 @@
+"""``microbatch(..., fused_gradient=True)``: gradients taken in the forward loop.
+
+References: ``jax.value_and_grad`` of the function on the whole batch, and JAX's own
+Hessian-vector products.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from microbatching import AccumulationType, microbatch
+
+from .strategies import assert_close, microbatch_sizes, random_array
+from .test_convs import cnn, cnn_loss, compiled, other_order_convs  # noqa: F401
+
+SUM, MEAN, RUNNING_MEAN = (
+    AccumulationType.SUM,
+    AccumulationType.MEAN,
+    AccumulationType.RUNNING_MEAN,
+)
+
+
+def mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"][None])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+@pytest.fixture(scope="module")
+def data():
+    params = {
+        "w1": random_array(0, (5, 7), jnp.float32),
+        "b1": random_array(1, (7,), jnp.float32),
+        "w2": random_array(2, (7, 2), jnp.float32),
+    }
+    return params, random_array(3, (12, 5), jnp.float32), random_array(4, (12, 2), jnp.float32)
+
+
+@pytest.mark.parametrize("accumulator", [SUM, MEAN, RUNNING_MEAN])
+@pytest.mark.parametrize("jit", [True, False])
+def test_value_and_grad_equals_the_whole_batch(data, accumulator, jit):
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, accumulator, fused_gradient=True)
+    step = jax.value_and_grad(fused)
+    got = (jax.jit(step) if jit else step)(params, x, y)
+    scale = 3.0 if accumulator is SUM else 1.0  # SUM adds 3 microbatch means
+    want = jax.value_and_grad(lambda *a: scale * mlp_loss(*a))(params, x, y)
+    assert_close(got, want, terms=3)
+    assert_close(fused(params, x, y), want[0], terms=3)  # not differentiated: the plain loop
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    st.integers(1, 12).flatmap(lambda b: st.tuples(st.just(b), microbatch_sizes(b))),
+    st.integers(0, 1),
+    st.sampled_from([SUM, MEAN]),
+    st.integers(0, 2**16),
+)
+def test_any_batch_axis_and_microbatch_size(rows_and_size, axis, accumulator, seed):
+    rows, size = rows_and_size
+    w = random_array(seed, (3, 2), jnp.float32)
+    x = random_array(seed + 1, (rows, 3) if axis == 0 else (3, rows), jnp.float32)
+
+    def loss(w, x):
+        rows_first = x if axis == 0 else x.T
+        return jnp.mean(jnp.sin(rows_first @ w))
+
+    fused = microbatch(loss, 1, size, accumulator, in_axes=axis, fused_gradient=True)
+    scale = rows // size if accumulator is SUM else 1
+    want = jax.value_and_grad(lambda w, x: scale * loss(w, x))(w, x)
+    assert_close(jax.jit(jax.value_and_grad(fused))(w, x), want, terms=rows // size)
+
+
+def test_remainder_weights_microbatches_by_rows(data):
+    params, x, y = data
+    x, y = x[:10], y[:10]
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, allow_remainder=True, fused_gradient=True)
+    want = jax.value_and_grad(mlp_loss)(params, x, y)
+    assert_close(jax.jit(jax.value_and_grad(fused))(params, x, y), want, terms=3)
+
+
+def test_several_scalar_outputs_and_aux(data):
+    """Each floating scalar output gets its own gradient; integer outputs none."""
+    params, x, y = data
+
+    def two(params, x, y):
+        loss = mlp_loss(params, x, y)
+        return loss, (jnp.sum(params["w1"]) * jnp.mean(x), jnp.int32(x.shape[0]))
+
+    fused = microbatch(two, (1, 2), 4, (MEAN, (MEAN, SUM)), fused_gradient=True)
+    got = jax.jit(jax.value_and_grad(fused, has_aux=True))(params, x, y)
+    loss, grads = jax.value_and_grad(two, has_aux=True)(params, x, y)
+    want = ((loss[0], (loss[1][0], 12)), grads)
+    assert_close(got, want, terms=3)
+    mixed = jax.grad(lambda p: (lambda o: 2 * o[0] - 3 * o[1][0])(fused(p, x, y)))
+    want_mixed = jax.grad(lambda p: (lambda o: 2 * o[0] - 3 * o[1][0])(two(p, x, y)))
+    assert_close(jax.jit(mixed)(params), want_mixed(params), terms=3)
+
+
+def test_bfloat16_parameters_accumulate_in_float32(data):
+    params, x, y = data
+    low = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    got = jax.jit(jax.grad(fused))(low, x, y)
+    want = jax.grad(mlp_loss)(low, x, y)
+    assert jax.tree.map(lambda g: g.dtype, got) == jax.tree.map(lambda g: g.dtype, low)
+    assert_close(got, want, dtype=jnp.bfloat16, terms=3)
+
+
+def test_hessian_vector_products_and_second_derivatives(data):
+    """jvp and grad of the gradient differentiate the forward loop: exact, not refused."""
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    tangent = jax.tree.map(jnp.ones_like, params)
+    got = jax.jvp(jax.grad(fused), (params, x, y), (tangent, jnp.zeros_like(x), jnp.zeros_like(y)))
+    want = jax.jvp(
+        jax.grad(mlp_loss), (params, x, y), (tangent, jnp.zeros_like(x), jnp.zeros_like(y))
+    )
+    assert_close(got, want, terms=3, factor=4)
+    second = jax.grad(
+        lambda s: jax.grad(fused)(jax.tree.map(lambda p: s * p, params), x, y)["b1"][0]
+    )
+    want_second = jax.grad(
+        lambda s: jax.grad(mlp_loss)(jax.tree.map(lambda p: s * p, params), x, y)["b1"][0]
+    )
+    assert_close(second(1.5), want_second(1.5), terms=3, factor=4)
+
+
+def test_vmap_over_parameters(data):
+    params, x, y = data
+    stacked = jax.tree.map(lambda p: jnp.stack([p, -p]), params)
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    got = jax.jit(jax.vmap(jax.grad(fused), (0, None, None)))(stacked, x, y)
+    want = jax.vmap(jax.grad(mlp_loss), (0, None, None))(stacked, x, y)
+    assert_close(got, want, terms=3)
+
+
+def test_static_and_integer_arguments_pass_through(data):
+    params, x, y = data
+
+    def loss(params, x, y, scale, squared):
+        err = x @ params["w1"] @ params["w2"] - y
+        return scale * jnp.mean(err**2 if squared else jnp.abs(err))
+
+    fused = microbatch(loss, (1, 2), 4, MEAN, fused_gradient=True)
+    for squared in (True, False):
+        got = jax.grad(fused)(params, x, y, jnp.int32(3), squared)
+        assert_close(got, jax.grad(loss)(params, x, y, 3, squared), terms=3)
+
+
+def test_the_gradient_is_one_loop_with_convolutions_in_eigen_order(cnn):  # noqa: F811
+    """The default runs a second, transposed loop whose weight-gradient convolutions
+    XLA:CPU runs as loop nests; the fused gradient is the loop of value_and_grad."""
+    p, x, y = cnn
+    default = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
+    fused = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN, fused_gradient=True))
+    default_hlo, fused_hlo = compiled(default, p, x, y), compiled(fused, p, x, y)
+    assert len(re.findall(r"\bwhile\(", default_hlo)) == 2
+    assert len(re.findall(r"\bwhile\(", fused_hlo)) == 1
+    assert other_order_convs(fused_hlo) == []
+    assert_close(jax.jit(fused)(p, x, y), jax.value_and_grad(cnn_loss)(p, x, y), terms=4)
+
+
+def test_forward_mode_of_the_function_names_the_option(data):
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    with pytest.raises(TypeError, match=r"fused_gradient=True computes the gradient .* reverse"):
+        jax.jvp(lambda p: fused(p, x, y), (params,), (params,))
+
+
+@pytest.mark.parametrize("accumulator", [AccumulationType.MAX, AccumulationType.CONCAT])
+def test_accumulators_that_do_not_commute_with_gradients_are_refused(accumulator):
+    with pytest.raises(ValueError, match=r"fused_gradient=True .* only the gradient .* SUM, MEAN"):
+        microbatch(mlp_loss, (1, 2), 4, accumulator, fused_gradient=True)
+
+
+def test_gradient_with_respect_to_a_batch_argument_is_refused(data):
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    with pytest.raises(ValueError, match=r"with respect to batch argument `x`"):
+        jax.grad(fused, argnums=1)(params, x, y)
+
+
+def test_differentiating_a_non_scalar_output_is_refused(data):
+    params, x, _ = data
+    per_row = microbatch(lambda p, x: x @ p["w1"], 1, 4, SUM, fused_gradient=True)
+    with pytest.raises(
+        ValueError, match=r"scalar floating outputs only, and this one is float32\[4,7\]"
+    ):
+        jax.grad(lambda p: jnp.sum(per_row(p, x[:4])))(params)
+
+
+def test_fused_gradient_must_be_a_bool():
+    with pytest.raises(TypeError, match="fused_gradient"):
+        microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient="yes")  # pyright: ignore[reportArgumentType]
+
+
+def test_no_microbatching_is_the_plain_function(data):
+    params, x, y = data
+    plain = microbatch(mlp_loss, (1, 2), None, MEAN, fused_gradient=True)
+    assert_close(jax.grad(plain)(params, x, y), jax.grad(mlp_loss)(params, x, y))
+    np.testing.assert_array_equal(plain(params, x, y), mlp_loss(params, x, y))
