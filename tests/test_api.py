@@ -55,6 +55,7 @@ def test_signatures_follow_the_spec():
         ("accumulation_dtype", p.KEYWORD_ONLY, None),  # ours, beyond the spec
         ("progress", p.KEYWORD_ONLY, False),
         ("allow_remainder", p.KEYWORD_ONLY, False),  # issue 8
+        ("fused_gradient", p.KEYWORD_ONLY, False),  # issue 16
     ]
     vmap_params = _parameters(mb.micro_vmap)
     assert [n for n, *_ in vmap_params] == [

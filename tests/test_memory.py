@@ -176,3 +176,57 @@ def test_a_bfloat16_batch_costs_one_copy_at_its_own_size_not_a_float32_one(path)
     grown = temp(16384) - temp(1024)
     own_bytes = (16384 - 1024) * 16 * 12 * 2
     assert grown <= 1.05 * own_bytes, (grown, own_bytes)
+
+
+@pytest.mark.parametrize("path", ["microbatch(grad)", "grad(microbatch)", "micro_grad"])
+def test_temp_memory_is_flat_for_a_batch_pytree_that_mixes_families(path):
+    """Images, token ids and int8 features in one batch pytree."""
+    shapes = {"k": (3, 3, 1, 4), "d": (784, 2), "s": (6, 2)}
+    params = {k: jax.ShapeDtypeStruct(s, DTYPE) for k, s in shapes.items()}
+    embed = {"e": jax.ShapeDtypeStruct((50, 8), DTYPE), "d8": jax.ShapeDtypeStruct((8, 2), DTYPE)}
+
+    def loss(p, e, x, y):
+        tokens = jnp.mean(e["e"][x["tokens"]], axis=1) @ e["d8"]
+        return (
+            _conv_loss(p, x["image"], y)
+            + jnp.mean((tokens - y) ** 2)
+            + jnp.mean(x["small"].astype(DTYPE) @ p["s"])
+        )
+
+    if path == "microbatch(grad)":
+        fun = microbatch(jax.grad(loss), argnums=(2, 3), microbatch_size=MICROBATCH)
+    elif path == "grad(microbatch)":
+        fun = jax.grad(microbatch(loss, argnums=(2, 3), microbatch_size=MICROBATCH))
+    else:
+        fun = micro_grad(loss, batch_argnums=(2, 3), microbatch_size=MICROBATCH)
+
+    def temp(rows):
+        x = {
+            "image": jax.ShapeDtypeStruct((rows, 28, 28, 1), jnp.float32),
+            "tokens": jax.ShapeDtypeStruct((rows, 16), jnp.int32),
+            "small": jax.ShapeDtypeStruct((rows, 6), jnp.int8),
+        }
+        return _temp_bytes(fun, params, embed, x, jax.ShapeDtypeStruct((rows, 2), DTYPE))
+
+    small, large = temp(1024), temp(16384)
+    assert large <= 1.1 * small, (small, large)
+
+
+@pytest.mark.parametrize("accumulator", [AccumulationType.MEAN, AccumulationType.SUM])
+def test_micro_grad_adds_an_embedding_gradient_into_the_carry_in_place(accumulator):
+    """A mean's 1 / rows seeds the backward pass: scaling the scattered gradient of an
+    embedding instead made XLA build it apart, a copy of the table (9.2 MiB of temp for
+    an 8 MiB table, against 1.2 for SUM, and 2.5x the time). RUNNING_MEAN rescales its
+    carry at every microbatch, so it has the copy by design."""
+    table = jax.ShapeDtypeStruct((32768, 64), DTYPE)
+    params = {"e": table, "d": jax.ShapeDtypeStruct((64, 4), DTYPE)}
+
+    def loss(p, ids, y):
+        return jnp.mean((jnp.mean(p["e"][ids], axis=1) @ p["d"] - y) ** 2)
+
+    fun = micro_grad(
+        loss, batch_argnums=(1, 2), microbatch_size=MICROBATCH, accumulator=accumulator
+    )
+    ids = jax.ShapeDtypeStruct((4096, 16), jnp.int32)
+    temp = _temp_bytes(fun, params, ids, jax.ShapeDtypeStruct((4096, 4), DTYPE))
+    assert temp < 32768 * 64 * ITEMSIZE // 4, temp

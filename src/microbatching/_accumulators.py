@@ -535,6 +535,13 @@ def is_linear(accumulator: Any) -> bool:
     return all(isinstance(leaf, AccumulationType) and KINDS[leaf].linear for leaf in leaves)
 
 
+def averages_rows(accumulator: Any) -> bool:
+    """Whether every leaf is a built-in kind whose microbatch result is the mean of its
+    rows (MEAN, RUNNING_MEAN): ``per_row`` divides all of them by the rows."""
+    leaves = jax.tree.leaves(accumulator, is_leaf=_is_spec)
+    return all(isinstance(leaf, AccumulationType) and KINDS[leaf].rows == "mean" for leaf in leaves)
+
+
 def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
     """A microbatch's aggregate from the sum of its rows: divided by ``rows`` for means."""
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
