@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from microbatching import AccumulationType, microbatch
 
@@ -204,3 +206,66 @@ def test_no_microbatching_is_the_plain_function(data):
     plain = microbatch(mlp_loss, (1, 2), None, MEAN, fused_gradient=True)
     assert_close(jax.grad(plain)(params, x, y), jax.grad(mlp_loss)(params, x, y))
     np.testing.assert_array_equal(plain(params, x, y), mlp_loss(params, x, y))
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_fun_closing_over_the_differentiated_values(data, jit):
+    """The usual spelling: the parameters closed over, only the batch passed."""
+    params, x, y = data
+
+    def outer(params, scale):
+        fused = microbatch(
+            lambda x, y: scale * mlp_loss(params, x, y), (0, 1), 4, MEAN, fused_gradient=True
+        )
+        return fused(x, y)
+
+    step = jax.value_and_grad(outer, argnums=(0, 1))
+    got = (jax.jit(step) if jit else step)(params, 2.0)
+    want = jax.value_and_grad(lambda p, s: s * mlp_loss(p, x, y), argnums=(0, 1))(params, 2.0)
+    assert_close(got, want, terms=3)
+
+
+def test_outputs_with_none_and_lists(data):
+    params, x, y = data
+    cases = {
+        "(loss, None)": lambda *a: (mlp_loss(*a), None),
+        "[loss, loss**2]": lambda *a: [mlp_loss(*a), mlp_loss(*a) ** 2],
+        "(loss, [mean x])": lambda *a: (mlp_loss(*a), [jnp.mean(a[1]) * jnp.sum(a[0]["w2"])]),
+    }
+    for name, fun in cases.items():
+        # The reference is the default microbatch: a mean of squares is not the square
+        # of the whole batch's mean.
+        fused = microbatch(fun, (1, 2), 4, MEAN, fused_gradient=True)
+        default = microbatch(fun, (1, 2), 4, MEAN)
+
+        def total(f):
+            return lambda p: sum(2.0 * leaf for leaf in jax.tree.leaves(f(p, x, y)))
+
+        got = jax.jit(jax.grad(total(fused)))(params)
+        assert_close(got, jax.grad(total(default))(params), terms=3, factor=2)
+
+
+def test_inside_shard_map_the_gradient_of_a_replicated_parameter_is_summed_once(data):
+    """Each device accumulates its own rows' gradient; the backward rule adds them up,
+    as jax.grad does for a replicated input, with one all-reduce after the loop."""
+    params, x, y = data
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(AxisType.Explicit,))
+
+    def per_device(fused):
+        def step(params, x, y):
+            return jax.grad(microbatch(mlp_loss, (1, 2), 1, SUM, fused_gradient=fused))(
+                params, x, y
+            )
+
+        return jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(P(), P("b"), P("b")), out_specs=P())
+        )
+
+    rows, replicated = NamedSharding(mesh, P("b")), NamedSharding(mesh, P())
+    args = (jax.device_put(params, replicated), jax.device_put(x, rows), jax.device_put(y, rows))
+    want = jax.grad(lambda *a: 12 * mlp_loss(*a))(params, x, y)  # 12 rows, each a mean of 1
+    got = per_device(True)(*args)
+    assert_close(got, want, terms=12)
+    assert_close(got, per_device(False)(*args), terms=12)
+    hlo = str(per_device(True).lower(*args).compile().as_text())
+    assert "all-reduce" in hlo

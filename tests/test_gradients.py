@@ -514,3 +514,28 @@ def test_empty_batch_without_microbatching(kind):
     grads, aux = micro_grad(loss, microbatch_size=None, **common)(jnp.ones(2), jnp.ones((0, 2)))
     assert aux.values.shape == (0,)
     assert bool(jnp.all(grads == 0)) if kind is SUM else bool(jnp.all(jnp.isnan(grads)))
+
+
+@pytest.mark.parametrize("allow_remainder", [False, True])
+def test_gradients_reach_a_bfloat16_batch_read_as_bits(allow_remainder):
+    """A bfloat16 batch is gathered as uint16 on the CPU (``_layout.reads_bits``); the
+    bitcasts have no derivative, so the gather's own rule carries the gradient to it."""
+    rows = 9 if allow_remainder else 8
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 5, size=rows), jnp.int32)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x.astype(jnp.float32) @ w))
+
+    looped = microbatch(loss, 1, 2, allow_remainder=allow_remainder)
+    x = table[ids].astype(jnp.bfloat16)
+    assert_close(jax.grad(looped, argnums=1)(w, x), jax.grad(loss, argnums=1)(w, x))
+    tangents = (jnp.ones_like(w), jnp.ones_like(x))
+    assert_close(jax.jvp(looped, (w, x), tangents), jax.jvp(loss, (w, x), tangents), terms=5)
+
+    def upstream(fn):  # embeddings looked up and cast to bfloat16 outside the loop
+        return jax.grad(lambda t: fn(w, t[ids].astype(jnp.bfloat16)))(table)
+
+    assert_close(jax.jit(lambda t: upstream(looped))(table), upstream(loss), dtype=jnp.bfloat16)

@@ -24,9 +24,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from . import _accumulators, _batch
+from . import _accumulators, _batch, _sharding
 from ._loop import loop
 from ._signature import BatchAxes
 from ._typing import Function
@@ -48,53 +50,59 @@ def check(settings: Settings) -> None:
 
 def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function) -> Function:
     """``forward`` (the microbatched ``fun``) with its gradient computed in its loop."""
-    loops: dict[Any, Function] = {}  # one value-and-gradient loop per differentiated set
+    loops: dict[Any, tuple[Function, dict[str, Any]]] = {}  # one per differentiated set
 
-    def gradient_loop(differentiated: tuple[int, ...], tree: Any) -> Function:
-        key = (differentiated, tree)
+    def gradient_loop(key: Any, body: Any) -> tuple[Function, dict[str, Any]]:
+        """The loop of ``body`` for ``key``, and the cell its closed-over values are put
+        in at each call: they are the loop's constants, so an eager loop is reused."""
         if key not in loops:
-            body = _value_and_gradients(fun, differentiated, tree)
+            cell: dict[str, Any] = {}
             both = dataclasses.replace(settings, accumulator=(settings.accumulator,) * 2)
-            looped = loop(lambda weights, *a, **k: body(*a, **k), axes, both)
-            loops[key] = lambda *a, **k: looped(a, k, None)
+            looped = loop(lambda weights, *a, **k: body(cell, *a, **k), axes, both)
+            loops[key] = (lambda *a, **k: looped(a, k, None)), cell
         return loops[key]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, tree = jax.tree.flatten((args, kwargs))
         arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-
-        def rebuild(values: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            filled = list(leaves)
-            for i, value in zip(arrays, values, strict=True):
-                filled[i] = value
-            return jax.tree.unflatten(tree, filled)
+        program = _Program(fun, leaves, tree, arrays)
+        hoisted = program.closed_over_tracers(axes, args, kwargs, settings.size)
+        count = len(arrays)
+        static: dict[str, Any] = {}
 
         @jax.custom_vjp
         def run(*values: Any) -> Any:
-            a, k = rebuild(values)
+            a, k = program.rebuild(values[:count])
             return forward(*a, **k)
 
         def run_fwd(*primals: Any) -> tuple[Any, Any]:
-            values = tuple(p.value for p in primals)
-            differentiated = tuple(
-                i for i, p in zip(arrays, primals, strict=True) if p.perturbed and _floating(p)
-            )
-            _refuse_batched(axes, args, kwargs, differentiated)
-            a, k = rebuild(values)
-            value, gradients = gradient_loop(differentiated, tree)(*a, **k)
-            return value, (gradients, differentiated)
+            values = [p.value for p in primals]
+            differentiated = tuple(j for j, p in enumerate(primals) if p.perturbed and _floating(p))
+            _refuse_batched(axes, args, kwargs, [arrays[j] for j in differentiated if j < count])
+            key = (differentiated, tree, tuple(arrays), len(hoisted))
+            looped, cell = gradient_loop(key, program.value_and_gradients(differentiated))
+            cell["index"] = {id(h): n for n, h in enumerate(hoisted)}
+            cell["hoisted"] = values[count:]
+            a, k = program.rebuild(values[:count])
+            value, gradients = looped(*a, **k)
+            # Not residuals (those are arrays): what the backward rule needs to know.
+            static["differentiated"] = differentiated
+            static["manual"] = [_sharding.varying(jax.typeof(v)) for v in values]
+            return value, gradients
 
-        def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, ...]:
-            gradients, differentiated = residuals
+        def run_bwd(gradients: Any, cotangent: Any) -> tuple[Any, ...]:
+            differentiated, manual = static["differentiated"], static["manual"]
             summed = _scaled_sum(gradients, cotangent)
+            out: list[Any] = [None] * len(manual)
             if summed is None:  # no cotangent reached an output
-                return (None,) * len(arrays)
-            by_leaf = dict(zip(differentiated, summed, strict=True))
-            return tuple(by_leaf.get(i) for i in arrays)
+                return tuple(out)
+            for j, g in zip(differentiated, summed, strict=True):
+                out[j] = _as_varying(g, manual[j])
+            return tuple(out)
 
         run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
         try:
-            return run(*(leaves[i] for i in arrays))
+            return run(*(leaves[i] for i in arrays), *hoisted)
         except TypeError as err:
             if "forward-mode" not in str(err):
                 raise
@@ -108,44 +116,123 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
     return call
 
 
-def _value_and_gradients(fun: Function, differentiated: tuple[int, ...], tree: Any) -> Function:
-    """``fun``'s result, and for each floating scalar output the gradients of it with
-    respect to the call's leaves at ``differentiated`` (None for other outputs)."""
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """``fun`` as a function of the call's array leaves (the rest of the call fixed).
 
-    def body(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        leaves = jax.tree.leaves((args, kwargs))
+    ``fun`` may close over values that an outer transformation traces, such as the
+    parameters of ``jax.grad(lambda p: microbatch(lambda x: loss(p, x), ...)(x))``. The
+    forward rule of a ``custom_vjp`` may not use those: they are found in ``fun``'s
+    program (``closed_over_tracers``), passed to the ``custom_vjp`` as inputs, and put
+    back in place of the program's constants when the loop runs it.
+    """
 
-        def of(chosen: list[Any]) -> tuple[list[Any], Any]:
-            filled = list(leaves)
-            for i, value in zip(differentiated, chosen, strict=True):
-                filled[i] = value
-            a, k = jax.tree.unflatten(tree, filled)
-            out = fun(*a, **k)
-            return [leaf for leaf in jax.tree.leaves(out) if _scalar_floating(leaf)], out
+    fun: Function
+    leaves: list[Any]
+    tree: Any
+    arrays: list[int]
 
-        scalars, vjp, out = jax.vjp(of, [leaves[i] for i in differentiated], has_aux=True)
-        if not scalars:
-            per_output = []
-        elif len(scalars) == 1:
-            per_output = [vjp([jnp.ones_like(scalars[0])])[0]]
-        else:
-            eye = [jnp.eye(len(scalars), dtype=s.dtype)[:, k] for k, s in enumerate(scalars)]
-            stacked = jax.vmap(lambda row: vjp(list(row))[0])(eye)
-            per_output = [jax.tree.map(lambda g, k=k: g[k], stacked) for k in range(len(scalars))]
-        it = iter(per_output)
-        return out, jax.tree.map(lambda leaf: next(it) if _scalar_floating(leaf) else None, out)
+    def rebuild(self, values: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        filled = list(self.leaves)
+        for i, value in zip(self.arrays, values, strict=True):
+            filled[i] = value
+        return jax.tree.unflatten(self.tree, filled)
 
-    return body
+    def flat(self, *values: Any) -> Any:
+        a, k = self.rebuild(values)
+        return self.fun(*a, **k)
+
+    def closed_over_tracers(
+        self, axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any], size: Any
+    ) -> list[Any]:
+        """The traced values that ``fun``'s program on one microbatch closes over."""
+        batched = _batch.leaf_axes(axes, args, kwargs)
+        structs = [_microbatch_struct(self.leaves[i], batched[i][1], size) for i in self.arrays]
+        found: dict[int, Any] = {}
+        for const in jax.make_jaxpr(self.flat)(*structs).consts:
+            if isinstance(const, Tracer):
+                found.setdefault(id(const), const)
+        return list(found.values())
+
+    def value_and_gradients(self, differentiated: tuple[int, ...]) -> Any:
+        """The loop body: ``fun``'s result, and for each floating scalar output its
+        gradients with respect to the inputs at ``differentiated`` (the call's array
+        leaves, then the closed-over tracers, whose values the ``cell`` holds), None
+        for other outputs. The body reads the rest of the call (Python values) from the
+        microbatch's call, not from the first one's."""
+        count = len(self.arrays)
+
+        def body(cell: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            leaves = jax.tree.leaves((args, kwargs))
+            current = dataclasses.replace(self, leaves=leaves)
+            index, hoisted = cell["index"], list(cell["hoisted"])
+            values = [leaves[i] for i in self.arrays] + hoisted
+
+            def run(values: list[Any]) -> Any:
+                arrays, replaced = values[:count], values[count:]
+                program, shape = jax.make_jaxpr(current.flat, return_shape=True)(*arrays)
+                consts = [replaced[index[id(c)]] if id(c) in index else c for c in program.consts]
+                outs = jaxpr_as_fun(ClosedJaxpr(program.jaxpr, consts))(*arrays)
+                return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+            def of(chosen: list[Any]) -> tuple[list[Any], Any]:
+                filled = list(values)
+                for j, value in zip(differentiated, chosen, strict=True):
+                    filled[j] = value
+                out = run(filled)
+                return [leaf for leaf in jax.tree.leaves(out) if _scalar_floating(leaf)], out
+
+            # Varying like the batch inside shard_map: each device's gradient stays its
+            # own partial sum (the backward rule adds them up once), where JAX would
+            # all-reduce every microbatch's gradient of a replicated value.
+            axes = sorted({a for v in values for a in _sharding.varying(jax.typeof(v))})
+            chosen = [_varying_over(values[j], axes) for j in differentiated]
+            scalars, vjp, out = jax.vjp(of, chosen, has_aux=True)
+            it = iter(_per_output_vjps(scalars, vjp))
+            grads = jax.tree.map(lambda leaf: next(it) if _scalar_floating(leaf) else None, out)
+            return out, grads
+
+        return body
+
+
+def _per_output_vjps(scalars: list[Any], vjp: Any) -> list[Any]:
+    """The gradients of each scalar output: one backward pass each (batched)."""
+    if not scalars:
+        return []
+    if len(scalars) == 1:
+        return [vjp([jnp.ones_like(scalars[0])])[0]]
+    eye = [jnp.eye(len(scalars), dtype=s.dtype)[:, k] for k, s in enumerate(scalars)]
+    stacked = jax.vmap(lambda row: vjp(list(row))[0])(eye)
+    return [jax.tree.map(lambda g, k=k: g[k], stacked) for k in range(len(scalars))]
+
+
+def _microbatch_struct(leaf: Any, axis: int | None, size: int) -> Any:
+    """The type of one microbatch of ``leaf`` (the leaf itself where it is not batched)."""
+    if axis is None:
+        return leaf
+    shape = list(jnp.shape(leaf))
+    axis = axis % len(shape)
+    shape[axis] = min(size, shape[axis])
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(leaf))
+
+
+def _varying_over(value: Any, axes: list[str]) -> Any:
+    missing = tuple(a for a in axes if a not in _sharding.varying(jax.typeof(value)))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _as_varying(gradient: Any, manual: tuple[str, ...]) -> Any:
+    """``gradient`` summed over the manual mesh axes it varies over and its input does
+    not (inside ``shard_map``), as ``jax.grad`` sums the gradient of a replicated input."""
+    extra = tuple(a for a in _sharding.varying(jax.typeof(gradient)) if a not in manual)
+    return jax.lax.psum(gradient, extra) if extra else gradient
 
 
 def _scaled_sum(gradients: Any, cotangent: Any) -> list[Any] | None:
     """Sum over outputs of the output's cotangent times its accumulated gradients."""
     total: list[Any] | None = None
-    for grads, ct in zip(
-        jax.tree.leaves(gradients, is_leaf=lambda g: g is None or isinstance(g, list)),
-        jax.tree.leaves(cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero)),
-        strict=True,
-    ):
+    cotangents, outputs = jax.tree.flatten(cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero))
+    for grads, ct in zip(outputs.flatten_up_to(gradients), cotangents, strict=True):
         if isinstance(ct, SymbolicZero) or not _floating_dtype(ct.dtype):
             continue
         if grads is None:
@@ -160,7 +247,7 @@ def _scaled_sum(gradients: Any, cotangent: Any) -> list[Any] | None:
 
 
 def _refuse_batched(
-    axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any], differentiated: tuple[int, ...]
+    axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any], differentiated: list[int]
 ) -> None:
     """Gradients with respect to a batch argument are per row: not a sum, not fused."""
     batched = _batch.leaf_axes(axes, args, kwargs)

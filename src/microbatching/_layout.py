@@ -281,33 +281,47 @@ def reads_view(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> bool:
     ``dynamic_slice`` loop takes. Rows of rank 1 or 2 read from the view in place. A
     sharded batch axis keeps the view, whose microbatches stay on their devices.
     """
+    if reads_bits(leaf):
+        return False
     if jnp.ndim(leaf) <= 2:
         return True
     return shards(leaf, axis, mesh_axes) is not None
 
 
-def as_read(leaf: Any) -> Any:
-    """``leaf`` as the loop reads it: a bfloat16 batch as its bits (uint16) on the CPU.
+def reads_bits(leaf: Any) -> bool:
+    """Whether rows of ``leaf`` are gathered as their bits (``_rows_by_bits``): a
+    bfloat16 batch on the CPU, unless it is laid out over an Explicit mesh.
 
     XLA:CPU runs no bfloat16 operation, slices and gathers included: it converts their
     operand to float32 first, and a read from the batch inside the loop becomes a float32
     copy of the whole batch before it (a sequence model at microbatch 64: 0.9 MiB of temp
     at 1k rows, 12.1 at 16k), as it does for a hand-written ``dynamic_slice`` loop. Its
-    bits are read without conversion. Making them costs one copy of the batch at its own
-    size (6.0 MiB at 16k rows), half the float32 one: XLA copies for a ``bitcast_convert``
-    too, and no other way to read it in place was found.
+    bits (uint16) are read without conversion. Making them costs one copy of the batch at
+    its own size (6.0 MiB at 16k rows), half the float32 one: XLA copies for a
+    ``bitcast_convert`` too, and no way to read it in place was found.
     """
-    dtype = getattr(leaf, "dtype", None)
-    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
-        return leaf
-    if _sharding.explicit_sharding(leaf) is not None:
-        return leaf
-    return jax.lax.bitcast_convert_type(leaf, jnp.uint16)
+    if getattr(leaf, "dtype", None) != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return False
+    return _sharding.explicit_sharding(leaf) is None
 
 
-def from_read(rows: jax.Array, dtype: Any) -> jax.Array:
-    """Rows read from ``as_read(leaf)``, in ``leaf``'s ``dtype``."""
-    return rows if rows.dtype == dtype else jax.lax.bitcast_convert_type(rows, dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _rows_by_bits(leaf: jax.Array, indices: jax.Array, axis: int) -> jax.Array:
+    """``jnp.take(leaf, indices, axis)`` of a bfloat16 ``leaf``, gathered as uint16.
+
+    The bitcasts have no derivative; the rule gives the gather's: a gradient with
+    respect to the batch flows to the rows read.
+    """
+    bits = jax.lax.bitcast_convert_type(leaf, jnp.uint16)
+    rows = jnp.take(bits, indices, axis=axis, mode="clip", indices_are_sorted=True)
+    return jax.lax.bitcast_convert_type(rows, leaf.dtype)
+
+
+@_rows_by_bits.defjvp
+def _rows_by_bits_jvp(axis: int, primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+    leaf, indices = primals
+    rows = jnp.take(tangents[0], indices, axis=axis, mode="clip", indices_are_sorted=True)
+    return _rows_by_bits(leaf, indices, axis), rows
 
 
 def take(view: jax.Array, axis: int, index: Any) -> jax.Array:
@@ -334,6 +348,8 @@ def take_rows(leaf: Any, axis: int, indices: jax.Array) -> jax.Array:
     Under an Explicit mesh the rows come out sharded as the batch axis is; they are on
     other devices than the batch's rows, so the gather moves them there.
     """
+    if reads_bits(leaf):
+        return _rows_by_bits(leaf, indices, axis)
     sharding = _sharding.explicit_sharding(leaf)
     if sharding is None:
         return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)

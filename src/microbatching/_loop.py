@@ -200,8 +200,7 @@ class Loop:
         batch, size = self.batch, self.size
         batched = batch.batched
         axes = [batch.axes[i] or 0 for i in batched]
-        leaves = [_layout.as_read(batch.leaves[i]) for i in batched]
-        dtypes = [batch.leaves[i].dtype for i in batched]
+        leaves = [batch.leaves[i] for i in batched]
         if not batch.remainder:
             views = [
                 _layout.split(leaf, ax, size, batch.labels[i])
@@ -213,13 +212,8 @@ class Loop:
             def read(index: Any) -> list[Any]:
                 rows = index + batch.full * jax.numpy.arange(size)
                 return [
-                    _layout.from_read(
-                        _layout.take_rows(leaf, ax, rows)
-                        if v is None
-                        else _layout.take(v, ax, index),
-                        dtype,
-                    )
-                    for v, leaf, ax, dtype in zip(views, leaves, axes, dtypes, strict=True)
+                    _layout.take_rows(leaf, ax, rows) if v is None else _layout.take(v, ax, index)
+                    for v, leaf, ax in zip(views, leaves, axes, strict=True)
                 ]
 
         else:
@@ -229,8 +223,7 @@ class Loop:
             def read(index: Any) -> list[Any]:
                 rows, valid = _layout.rows(index, batch.full, batch.remainder, size)
                 out = [
-                    _layout.from_read(_layout.take_rows(leaf, ax, rows), dtype)
-                    for leaf, ax, dtype in zip(leaves, axes, dtypes, strict=True)
+                    _layout.take_rows(leaf, ax, rows) for leaf, ax in zip(leaves, axes, strict=True)
                 ]
                 if batch.weights is not None:
                     k = batched.index(batch.weights)
