@@ -41,7 +41,7 @@ from xla_conv_grad_in_loop_repro import loss as cnn_loss
 import microbatching as mb
 
 RESULTS = Path(__file__).resolve().parent / "MATRIX.md"
-MEAN, SUM = mb.AccumulationType.MEAN, mb.AccumulationType.SUM
+MEAN = mb.AccumulationType.MEAN
 OURS, LOOP, WHOLE, INSIDE = "ours", "loop", "whole", "inside"
 LIMIT_S = 5.0  # a program whose first call takes longer is not timed
 LIMIT_MIB = 1536.0  # a program whose compiled temp memory is larger is not run
@@ -201,7 +201,7 @@ def embedding_family(rows: int) -> Family:
         )
 
     return Family(
-        "embedding",
+        "Embedding",
         f"Embedding table {TABLE}x{EMBED} ({TABLE * EMBED * 4 / 2**20:.0f} MiB, "
         f"{TABLE * EMBED / (TABLE * EMBED + EMBED * UNITS + UNITS * 11 + 10):.1%} of the "
         f"parameters), bags of {BAG} int32 ids mean-pooled, dense {EMBED}-{UNITS}-10 (ReLU), "
