@@ -59,6 +59,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/dp_sgd_digits.py
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/matrix.py
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/accumulation.py
 	$(BIN)/python benchmarks/clipping.py
