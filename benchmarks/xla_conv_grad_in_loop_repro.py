@@ -16,9 +16,19 @@ microbatches of 256 rows. Measured here on 2 CPU cores (medians of 5, in ms):
 | one microbatch's `jit`-ed gradient, called 4 times | 99 |
 | the forward pass: whole batch / in a `fori_loop` | 45 / 28 |
 
-So the cost is not the microbatching (``microbatch(jax.grad(loss))`` takes what the
-hand-written ``fori_loop`` takes, 1.10 s against 1.09 s) nor the loop as such (the forward
-pass is faster in the loop): it is XLA's convolution gradient inside a while body. Run:
+So the cost is not the microbatching nor the loop as such (the forward pass is faster in
+the loop): it is XLA's convolution gradient inside a while body.
+
+The cause: XLA:CPU runs a convolution through Eigen only when its dimensions are in the
+order (batch, spatial..., feature) for input and output and (spatial..., in, out) for the
+kernel, and its ``ConvCanonicalization`` pass, which puts other convolutions in that
+order with transposes, walks the entry computation only (``xla/service/cpu/
+conv_canonicalization.cc``). The weight gradient of a convolution reads its input with
+batch and feature swapped (``dim_labels=f01b_i01o->01bf`` in the compiled HLO): at the
+top level it is reordered, inside a while body it runs as a plain loop nest. The
+microbatching library applies the same reordering to the programs it puts in its loop
+(``src/microbatching/_convs.py``): ``microbatch(jax.grad(loss))`` of this model then
+takes about 100 ms. Run:
 
     .venv/bin/python benchmarks/xla_conv_grad_in_loop_repro.py
 """
