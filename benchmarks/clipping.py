@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,14 +161,22 @@ def block_loss(params: dict[str, Any], tokens: jax.Array, targets: jax.Array) ->
     return jnp.mean(cross_entropy(logits, targets))
 
 
-def block_workload(examples: int, tokens: int = 32) -> Workload:
-    k = iter(jax.random.split(jax.random.key(4), 12))
+def initializers(k: Iterator[jax.Array], width: int = WIDTH) -> tuple[Any, Any]:
+    """``linear(a, b)`` (scaled normal weights, zero biases) and ``norm()`` (a layer norm
+    of ``width``), drawing keys from ``k``."""
 
     def linear(a: int, b: int) -> dict[str, jax.Array]:
         return {"w": normal(next(k), (a, b), a), "b": jnp.zeros(b)}
 
     def norm() -> dict[str, jax.Array]:
-        return {"scale": jnp.ones(WIDTH), "bias": jnp.zeros(WIDTH)}
+        return {"scale": jnp.ones(width), "bias": jnp.zeros(width)}
+
+    return linear, norm
+
+
+def block_workload(examples: int, tokens: int = 32) -> Workload:
+    k = iter(jax.random.split(jax.random.key(4), 12))
+    linear, norm = initializers(k)
 
     params = {
         "embed": jax.random.normal(next(k), (VOCAB, WIDTH)) * 0.02,

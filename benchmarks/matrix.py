@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from accumulation import Fn, clip, data, loss, mlp, ms, ratio  # benchmarks/ is on sys.path
-from clipping import attention, cross_entropy, dense, layer_norm, normal
+from clipping import attention, cross_entropy, dense, initializers, layer_norm, normal
 from xla_conv_grad_in_loop_repro import loss as cnn_loss
 
 import microbatching as mb
@@ -128,12 +128,7 @@ def lm_loss(params: dict[str, Any], ids: jax.Array, targets: jax.Array, w: jax.A
 
 def lm_family(rows: int) -> Family:
     k = iter(jax.random.split(jax.random.key(4), 4 + 6 * BLOCKS))
-
-    def linear(a: int, b: int) -> dict[str, jax.Array]:
-        return {"w": normal(next(k), (a, b), a), "b": jnp.zeros(b)}
-
-    def norm() -> dict[str, jax.Array]:
-        return {"scale": jnp.ones(WIDTH), "bias": jnp.zeros(WIDTH)}
+    linear, norm = initializers(k, WIDTH)
 
     params = {
         "embed": jax.random.normal(next(k), (VOCAB, WIDTH)) * 0.02,
