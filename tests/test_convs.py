@@ -217,3 +217,30 @@ def test_convolutions_inside_jit_and_checkpoint_of_fun_are_reordered(cnn):
     looped = microbatch(lambda p, x, y: inner(p, x, y), (1, 2), 8, MEAN)
     assert other_order_convs(compiled(looped, p, x, y)) == []
     assert_close(jax.jit(looped)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
+
+
+def test_only_convolutions_eigen_runs_are_reordered():
+    """Just outside the rewrite's condition: 4 spatial dimensions (Eigen takes 1 to 3)
+    stay as they are; a 2-D one in another order is reordered, to the same values."""
+    from microbatching import _convs
+
+    def program(spatial):
+        lhs = "NC" + "DHWT"[:spatial]
+        dims = (lhs, "OI" + "DHWT"[:spatial], lhs)
+        x = jnp.ones((2, 3) + (4,) * spatial)
+        w = jnp.ones((2, 3) + (2,) * spatial)
+        conv = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+            x, w, (1,) * spatial, "VALID", dimension_numbers=dims
+        )
+        return jax.make_jaxpr(conv)(x, w), (x, w)
+
+    four, _ = program(4)
+    assert _convs.canonical(four) is four
+    two, args = program(2)
+    reordered = _convs.canonical(two)
+    assert reordered is not two
+    assert [e.primitive.name for e in reordered.eqns].count("transpose") == 3
+    assert_close(
+        jax.jit(jax.extend.core.jaxpr_as_fun(reordered))(*args),
+        jax.extend.core.jaxpr_as_fun(two)(*args),
+    )

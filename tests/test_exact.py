@@ -155,6 +155,15 @@ def test_custom_vjp_with_a_remainder_equals_per_example_gradients():
     assert_close(got, want, terms=7)
 
 
+@pytest.mark.parametrize("accumulator", [AccumulationType.MEAN, AccumulationType.RUNNING_MEAN])
+def test_custom_vjp_not_linear_in_its_cotangent_takes_the_mean_unseeded(accumulator):
+    """A mean seeds the backward pass with 1 / rows only where it is linear in its
+    cotangent: here the seed 1/4 would be clipped to 0.1, not 0.1 / 4 (4x too large)."""
+    want = np.asarray(_per_example(clipped_loss, P, X), np.float64).mean(0)
+    got, _ = micro_grad(clipped_loss, microbatch_size=4, accumulator=accumulator)(P, X)
+    assert_close(got, want.astype(np.float32), terms=8)
+
+
 def _exact(loss, scaled, dtype=jnp.float32, requested=None):
     example = per_example.Examples(loss, _axes(loss), 0, False, True)
     losses = jax.vmap(example.loss, (None, 0))

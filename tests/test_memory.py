@@ -6,6 +6,7 @@ structural facts, not timings.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
@@ -230,3 +231,20 @@ def test_micro_grad_adds_an_embedding_gradient_into_the_carry_in_place(accumulat
     ids = jax.ShapeDtypeStruct((4096, 16), jnp.int32)
     temp = _temp_bytes(fun, params, ids, jax.ShapeDtypeStruct((4096, 4), DTYPE))
     assert temp < 32768 * 64 * ITEMSIZE // 4, temp
+
+
+def test_a_bfloat16_batch_reaches_fun_bit_for_bit():
+    """Read as its bits, a bfloat16 batch reaches ``fun`` unchanged: NaN payloads,
+    infinities, -0.0 and subnormals included (a float32 round trip would change some)."""
+    bits = np.array(
+        [0x7F81, 0x7FFF, 0xFFA5, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x3FC0, 0x807F, 0x4049],
+        np.uint16,
+    )
+    rows = jnp.asarray(np.tile(bits, 3)[:, None].view(jnp.bfloat16))  # (30, 1)
+
+    def received(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32)
+
+    fun = microbatch(received, 0, 5, AccumulationType.CONCAT)
+    got = np.asarray(jax.jit(fun)(rows))
+    np.testing.assert_array_equal(got[:, 0], np.tile(bits, 3).astype(np.int32))
