@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend.core import jaxpr_as_fun
 
 from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
 
@@ -241,6 +242,6 @@ def test_only_convolutions_eigen_runs_are_reordered():
     assert reordered is not two
     assert [e.primitive.name for e in reordered.eqns].count("transpose") == 3
     assert_close(
-        jax.jit(jax.extend.core.jaxpr_as_fun(reordered))(*args),
-        jax.extend.core.jaxpr_as_fun(two)(*args),
+        jax.jit(jaxpr_as_fun(reordered))(*args),
+        jaxpr_as_fun(two)(*args),
     )

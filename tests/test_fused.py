@@ -174,6 +174,15 @@ def test_forward_mode_of_the_function_names_the_option(data):
         jax.jvp(lambda p: fused(p, x, y), (params,), (params,))
 
 
+def test_forward_mode_under_jit_is_refused_by_jax_s_own_error(data):
+    """Under jit JAX raises it when the program runs, after the library's call has
+    returned (documented with the option)."""
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    with pytest.raises(TypeError, match=r"forward-mode autodiff \(jvp\) to a custom_vjp"):
+        jax.jit(lambda p: jax.jvp(lambda p: fused(p, x, y), (p,), (p,)))(params)
+
+
 @pytest.mark.parametrize("accumulator", [AccumulationType.MAX, AccumulationType.CONCAT])
 def test_accumulators_that_do_not_commute_with_gradients_are_refused(accumulator):
     with pytest.raises(ValueError, match=r"fused_gradient=True .* only the gradient .* SUM, MEAN"):

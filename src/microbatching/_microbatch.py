@@ -70,12 +70,13 @@ def microbatch(
         for ``jax.grad`` and ``jax.value_and_grad`` of the returned function: each
         microbatch's gradient is taken right after its value and accumulated alongside,
         instead of a second loop that runs every microbatch's forward pass again. It
-        costs what ``microbatch(jax.value_and_grad(fun))`` costs, against about 1.2-1.45x
-        for the default. Reverse mode only (``jax.jvp`` of the returned function is
-        refused; of its gradient it works); the accumulator must be SUM, MEAN or
-        RUNNING_MEAN; only floating scalar outputs may be differentiated, and only with
-        respect to arguments without a batch axis. Calls that are not differentiated
-        run the plain loop.
+        costs what ``microbatch(jax.value_and_grad(fun))`` costs, against 1.2-1.5x for
+        the default. Reverse mode only: ``jax.jvp`` of the returned function is refused
+        (under ``jit`` by JAX's error for a ``custom_vjp``), of its gradient it works.
+        The accumulator must be SUM, MEAN or RUNNING_MEAN; only floating scalar outputs
+        may be differentiated, and only with respect to arguments without a batch axis
+        (``fun`` may close over the parameters). Calls that are not differentiated run
+        the plain loop.
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.
