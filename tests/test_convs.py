@@ -91,11 +91,27 @@ def test_micro_grad_and_clipping_run_every_convolution_in_eigen_order(cnn):
         assert_close(jax.jit(grad)(p, x, y)[0], want, terms=32)
 
 
-def test_gradients_through_the_loop_keep_jax_s_order_and_stay_exact(cnn):
-    """``jax.grad`` of the loop is JAX's transpose of it: its convolutions are JAX's."""
+def test_gradients_through_the_loop_run_every_convolution_in_eigen_order(cnn):
+    """``jax.grad`` of the loop is JAX's transpose of it; each convolution's custom_jvp
+    (``_convs._eigen``) makes that transpose come out in Eigen's order too."""
     p, x, y = cnn
     through = jax.grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
+    assert other_order_convs(compiled(through, p, x, y)) == []
     assert_close(jax.jit(through)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
+    both = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
+    assert_close(jax.jit(both)(p, x, y), jax.value_and_grad(cnn_loss)(p, x, y), terms=4)
+
+
+def test_hessian_vector_products_through_the_rule(cnn):
+    """Forward over reverse goes through the custom_jvp's rule, itself differentiated."""
+    p, x, y = cnn
+    looped = microbatch(cnn_loss, (1, 2), 8, MEAN)
+    tangent = jax.tree.map(lambda a: jnp.full_like(a, 0.1), p)
+
+    def hvp(f):
+        return jax.jvp(lambda q: jax.grad(f)(q, x, y), (p,), (tangent,))[1]
+
+    assert_close(jax.jit(lambda: hvp(looped))(), hvp(cnn_loss), terms=4, factor=8)
 
 
 _LAYOUTS = {

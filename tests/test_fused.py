@@ -155,8 +155,8 @@ def test_static_and_integer_arguments_pass_through(data):
 
 
 def test_the_gradient_is_one_loop_with_convolutions_in_eigen_order(cnn):  # noqa: F811
-    """The default runs a second, transposed loop whose weight-gradient convolutions
-    XLA:CPU runs as loop nests; the fused gradient is the loop of value_and_grad."""
+    """The default runs a second, transposed loop; the fused gradient is the loop of
+    value_and_grad, its convolutions in Eigen's order."""
     p, x, y = cnn
     default = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
     fused = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN, fused_gradient=True))

@@ -14,6 +14,17 @@ body. Transposes move elements without arithmetic and the convolution computes t
 sums, so the program's results are unchanged; only the order in which XLA adds within one
 convolution may differ, as it does for the whole batch, which XLA rewrites alike.
 
+Derivatives are the harder half. ``jax.grad`` of the loop (``jax.grad(microbatch(loss))``)
+is JAX's transpose of the loop body, and JAX's transpose of a convolution in Eigen's
+order is a weight gradient in another order again, which the library never sees. So
+each convolution of the body (ungrouped, 1 to 3 spatial dimensions) is also given a
+``custom_jvp`` (``_eigen``): its value is the same convolution, and its tangent is the
+same linear map written with the input as (feature, spatial..., batch), the kernel as
+(in, spatial..., out) and the output as (spatial..., batch, feature) for the weight
+term, and the kernel as (spatial..., out, in) for the input term. JAX transposes those
+into convolutions in Eigen's order. Forward mode, ``vmap`` and higher derivatives go
+through the rule as through any other function.
+
 Not reached: the weight gradient of a grouped convolution (``batch_group_count`` > 1).
 XLA expands its groups after this rewrite, into a convolution of another order that only
 the top level gets reordered, so in a loop it still runs as a loop nest.
@@ -21,9 +32,11 @@ the top level gets reordered, so in a loop it still runs as a loop nest.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
 _CONV = jax.lax.conv_general_dilated_p
@@ -31,14 +44,15 @@ _TRANSPOSE = jax.lax.transpose_p
 
 
 def canonical(program: ClosedJaxpr) -> ClosedJaxpr:
-    """``program`` with its convolutions, at any depth, in Eigen's order (on the CPU)."""
+    """``program`` with its convolutions, at any depth, in Eigen's order and with
+    derivatives in Eigen's order (on the CPU)."""
     if jax.default_backend() != "cpu" or not _has_other_order(program.jaxpr):
         return program
     return ClosedJaxpr(_rewrite(program.jaxpr), program.consts)
 
 
 def _has_other_order(jaxpr: Jaxpr) -> bool:
-    return any(_needs_rewrite(eqn) for eqn in jaxpr.eqns) or any(
+    return any(_needs_rewrite(eqn) or _takes_rule(eqn) for eqn in jaxpr.eqns) or any(
         _has_other_order(sub) for eqn in jaxpr.eqns for sub in _subjaxprs(eqn.params)
     )
 
@@ -57,7 +71,9 @@ def _subjaxprs(params: dict[str, Any]) -> list[Jaxpr]:
 def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
     eqns: list[JaxprEqn] = []
     for eqn in jaxpr.eqns:
-        if _needs_rewrite(eqn):
+        if _takes_rule(eqn) and (spliced := _with_rule(eqn)) is not None:
+            eqns.extend(spliced)
+        elif _needs_rewrite(eqn):
             eqns.extend(_reordered(eqn) or [eqn])
         elif any(_has_other_order(sub) for sub in _subjaxprs(eqn.params)):
             eqns.append(eqn.replace(params=_rewrite_params(eqn.params)))
@@ -143,3 +159,99 @@ def _transposed(atom: Any, permutation: tuple[int, ...], eqn: JaxprEqn) -> tuple
         eqn.ctx,
     )
     return out, [moved]
+
+
+def _takes_rule(eqn: JaxprEqn) -> bool:
+    """An ungrouped convolution that Eigen runs (1 to 3 spatial dimensions)."""
+    if eqn.primitive is not _CONV or eqn.params.get("out_sharding") is not None:
+        return False
+    groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+    return groups == (1, 1) and 1 <= len(eqn.params["dimension_numbers"][0]) - 2 <= 3
+
+
+def _with_rule(eqn: JaxprEqn) -> list[JaxprEqn] | None:
+    """The equations of ``_ordered_with_rule`` on the convolution's operands, in place of
+    it; None where they would not give the same types (sharded or varying operands)."""
+    params = tuple(sorted(eqn.params.items()))
+    structs = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in eqn.invars
+    ]
+    inner = jax.make_jaxpr(lambda x, w: _ordered_with_rule(x, w, params))(*structs)
+    types = [v.aval for v in inner.jaxpr.invars], [v.aval for v in inner.jaxpr.outvars]
+    if inner.consts or types != ([v.aval for v in eqn.invars], [eqn.outvars[0].aval]):
+        return None
+    if not all(isinstance(v, Var) for v in inner.jaxpr.outvars):
+        return None
+    rename = dict(zip(inner.jaxpr.invars, eqn.invars, strict=True))
+    rename[inner.jaxpr.outvars[0]] = eqn.outvars[0]
+
+    def renamed(atoms: Any) -> list[Any]:
+        return [rename.get(a, a) if isinstance(a, Var) else a for a in atoms]
+
+    return [
+        e.replace(
+            invars=renamed(e.invars),
+            outvars=renamed(e.outvars),
+            source_info=eqn.source_info,
+            ctx=eqn.ctx,
+        )
+        for e in inner.jaxpr.eqns
+    ]
+
+
+def _ordered_with_rule(x: jax.Array, w: jax.Array, params: tuple[Any, ...]) -> jax.Array:
+    """The convolution of ``params``, run in Eigen's order through ``_eigen``."""
+    given = dict(params)
+    lhs, rhs, out = given["dimension_numbers"]
+    eigen = {**given, "dimension_numbers": _numbers(*_eigen_order(len(lhs)))}
+    y = _eigen(
+        _moved(x, (lhs[0], *lhs[2:], lhs[1])),
+        _moved(w, (*rhs[2:], rhs[1], rhs[0])),
+        tuple(sorted(eigen.items())),
+    )
+    order = (out[0], *out[2:], out[1])
+    return _moved(y, tuple(sorted(range(len(order)), key=order.__getitem__)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _eigen(x: jax.Array, w: jax.Array, params: tuple[Any, ...]) -> jax.Array:
+    """A convolution in Eigen's order (NHWC input, HWIO kernel), whose tangent JAX
+    transposes into convolutions in Eigen's order."""
+    return _CONV.bind(x, w, **dict(params))
+
+
+@functools.partial(_eigen.defjvp, symbolic_zeros=True)
+def _eigen_jvp(params: tuple[Any, ...], primals: Any, tangents: Any) -> tuple[Any, Any]:
+    x, w = primals
+    dx, dw = tangents
+    given = dict(params)
+    rank = x.ndim
+    n = rank - 2  # spatial dimensions
+    canonical_lhs, _, canonical_out = _eigen_order(rank)
+    kernel_spatial = tuple(range(n))
+    terms = []
+    if not isinstance(dx, SymbolicZero):  # kernel as (spatial..., out, in)
+        numbers = _numbers(canonical_lhs, (n, n + 1, *kernel_spatial), canonical_out)
+        swapped = _moved(w, (*kernel_spatial, n + 1, n))
+        terms.append(_CONV.bind(dx, swapped, **{**given, "dimension_numbers": numbers}))
+    if not isinstance(dw, SymbolicZero):  # input (C, spatial, N), kernel (I, spatial, O)
+        spatial = tuple(range(1, n + 1))
+        numbers = _numbers((n + 1, 0, *spatial), (n + 1, 0, *spatial), (n, n + 1, *kernel_spatial))
+        features_first = _moved(x, (n + 1, *spatial, 0))
+        inputs_first = _moved(dw, (n, *kernel_spatial, n + 1))
+        y = _CONV.bind(features_first, inputs_first, **{**given, "dimension_numbers": numbers})
+        terms.append(_moved(y, (n, *kernel_spatial, n + 1)))
+    primal = _eigen(x, w, params)
+    tangent = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    return primal, tangent
+
+
+def _numbers(lhs: tuple[int, ...], rhs: tuple[int, ...], out: tuple[int, ...]) -> Any:
+    return jax.lax.ConvDimensionNumbers(lhs_spec=lhs, rhs_spec=rhs, out_spec=out)
+
+
+def _moved(x: jax.Array, permutation: tuple[int, ...]) -> jax.Array:
+    if permutation == tuple(range(len(permutation))):
+        return x
+    return jax.lax.transpose(x, permutation)
