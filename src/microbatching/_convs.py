@@ -173,10 +173,7 @@ def _with_rule(eqn: JaxprEqn) -> list[JaxprEqn] | None:
     """The equations of ``_ordered_with_rule`` on the convolution's operands, in place of
     it; None where they would not give the same types (sharded or varying operands)."""
     params = tuple(sorted(eqn.params.items()))
-    structs = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in eqn.invars
-    ]
+    structs = [_struct(v.aval) for v in eqn.invars]
     inner = jax.make_jaxpr(lambda x, w: _ordered_with_rule(x, w, params))(*structs)
     types = [v.aval for v in inner.jaxpr.invars], [v.aval for v in inner.jaxpr.outvars]
     if inner.consts or types != ([v.aval for v in eqn.invars], [eqn.outvars[0].aval]):
@@ -198,6 +195,10 @@ def _with_rule(eqn: JaxprEqn) -> list[JaxprEqn] | None:
         )
         for e in inner.jaxpr.eqns
     ]
+
+
+def _struct(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _ordered_with_rule(x: jax.Array, w: jax.Array, params: tuple[Any, ...]) -> jax.Array:
