@@ -275,6 +275,20 @@ def test_custom_init_of_the_wrong_shape_says_so():
         microbatch(lambda x: jnp.sum(x, 0), 0, 2, wrong)(A)
 
 
+def test_an_error_of_fun_in_the_loop_keeps_jax_s_message():
+    """Only a carry that the accumulator cannot fold is blamed on the accumulator."""
+
+    @jax.custom_vjp
+    def identity(x):
+        return x
+
+    identity.defvjp(lambda x: (x, None), lambda _, g: (g,))
+    looped = microbatch(lambda x: jnp.sum(identity(x), 0), 0, 2)
+    with pytest.raises(TypeError, match=r"^can't apply forward-mode autodiff \(jvp\)") as caught:
+        jax.jvp(looped, (A,), (A,))
+    assert "accumulator" not in str(caught.value)
+
+
 @pytest.mark.parametrize("axis", [0.0, None, "0"])
 def test_reshape_batch_axis_axis_must_be_an_int(axis):
     from microbatching import reshape_batch_axis

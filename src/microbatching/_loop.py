@@ -423,6 +423,8 @@ def _run(
     try:
         carry = jax.lax.fori_loop(0, trips, body, carry)
     except TypeError as err:
+        if _folds(acc, carry, out_shape):
+            raise  # not the accumulator's: an error of fun's program, JAX's own message
         shapes = jax.tree.map(lambda x: jax.typeof(x).str_short(), (out_shape, carry))
         raise TypeError(
             "The accumulator could not fold a microbatch result into its carry: "
@@ -433,6 +435,22 @@ def _run(
     if apart is not None:
         carry = _remainder(apart, out_tree, loop, acc, carry, progress)
     return acc.finalize(carry)
+
+
+def _folds(acc: Any, carry: Any, out_shape: Any) -> bool:
+    """Whether ``acc.update`` folds a result of ``out_shape`` into ``carry``, keeping its
+    types (the loop's condition on its carry)."""
+
+    def types(tree: Any) -> Any:
+        return jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+
+    try:
+        folded = jax.eval_shape(lambda c, o: acc.update(c, o, 0), carry, out_shape)
+    except (TypeError, ValueError):
+        return False
+    return jax.tree.structure(folded) == jax.tree.structure(carry) and types(folded) == types(
+        jax.eval_shape(lambda c: c, carry)
+    )
 
 
 def _runs(bound: Any, live: Any) -> Callable[[Any], Any] | None:
