@@ -441,3 +441,11 @@ def test_a_reduced_result_of_another_shape_on_the_remainder_is_an_error(kind):
         r"\(2,\) on the others, and a (SUM|MAX) accumulator needs one shape",
     ):
         microbatch(lambda x: x, 0, 2, kind, allow_remainder=True)(jnp.arange(5.0))
+
+
+def test_the_mean_gradient_of_an_empty_batch_is_nan_not_an_error():
+    """Just outside the seed's condition: no rows, no 1 / rows (the mean of nothing)."""
+    empty = jnp.ones((0, 3), jnp.float32)
+    for size in (None, 2):
+        got, _ = micro_grad(clipped_loss, microbatch_size=size, accumulator=MEAN)(P, empty)
+        assert np.all(np.isnan(np.asarray(got)))

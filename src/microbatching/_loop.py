@@ -448,9 +448,8 @@ def _folds(acc: Any, carry: Any, out_shape: Any) -> bool:
         folded = jax.eval_shape(lambda c, o: acc.update(c, o, 0), carry, out_shape)
     except (TypeError, ValueError):
         return False
-    return jax.tree.structure(folded) == jax.tree.structure(carry) and types(folded) == types(
-        jax.eval_shape(lambda c: c, carry)
-    )
+    same = jax.tree.structure(folded) == jax.tree.structure(carry)
+    return same and types(folded) == types(carry)
 
 
 def _runs(bound: Any, live: Any) -> Callable[[Any], Any] | None:

@@ -238,17 +238,14 @@ def summed(
         if given is not None:  # weighted sums: the loop divides means by the weights
             return rows(given, *args, **kwargs)
         count = first_batched(example.axes, args, kwargs).shape[0]
-        if by_seed and _summed_is_exact(example, losses, requested, True, args, kwargs):
+        exact = count and by_seed
+        if exact and _summed_is_exact(example, losses, requested, True, args, kwargs):
             # The mean's 1/rows seeds the backward pass, rather than scaling its result:
             # XLA then adds an embedding's scattered gradient into the carry in place,
             # where a scaled one took a copy of the table and 2.5x the time.
-            return seeded(1 / count)(None, *args, **kwargs)
+            return rows_seeded(1 / count, None, *args, **kwargs)
         grads, aux = rows(None, *args, **kwargs)
         return _accumulators.per_row(accumulators, grads, count), aux
-
-    def seeded(seed: float | None) -> Function:
-        """``rows``, its summed loss scaled by ``seed`` (the mean's 1 / rows)."""
-        return functools.partial(rows_seeded, seed)
 
     def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
         return rows_seeded(None, given, *args, **kwargs)
@@ -256,6 +253,8 @@ def summed(
     def rows_seeded(
         seed: float | None, given: Any, *args: Any, **kwargs: Any
     ) -> tuple[PyTree, Aux]:
+        """A microbatch's summed gradient and ``Aux``; with ``seed``, the gradient of the
+        summed loss scaled by it (the mean's 1 / rows, where the backward pass is linear)."""
         scaled = clipping is not None or given is not None
         wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
         if not first_batched(example.axes, args, kwargs).shape[0]:
