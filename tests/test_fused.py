@@ -132,6 +132,18 @@ def test_hessian_vector_products_and_second_derivatives(data):
     assert_close(second(1.5), want_second(1.5), terms=3, factor=4)
 
 
+def test_hessian_of_a_fused_function(data):
+    """Each order of differentiation calls the forward rule with its own inputs; each
+    backward rule reads its own (carried in the residuals' structure)."""
+    params, x, y = data
+    w1 = params["w1"]
+    fused = microbatch(
+        lambda w, x, y: mlp_loss({**params, "w1": w}, x, y), (1, 2), 4, MEAN, fused_gradient=True
+    )
+    want = jax.hessian(lambda w: mlp_loss({**params, "w1": w}, x, y))(w1)
+    assert_close(jax.jit(jax.hessian(fused))(w1, x, y), want, terms=3, factor=4)
+
+
 def test_vmap_over_parameters(data):
     params, x, y = data
     stacked = jax.tree.map(lambda p: jnp.stack([p, -p]), params)

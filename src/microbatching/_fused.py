@@ -68,7 +68,6 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
         program = _Program(fun, leaves, tree, arrays)
         hoisted = program.closed_over_tracers(axes, args, kwargs, settings.size)
         count = len(arrays)
-        static: dict[str, Any] = {}
 
         @jax.custom_vjp
         def run(*values: Any) -> Any:
@@ -85,19 +84,20 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
             cell["hoisted"] = values[count:]
             a, k = program.rebuild(values[:count])
             value, gradients = looped(*a, **k)
-            # Not residuals (those are arrays): what the backward rule needs to know.
-            static["differentiated"] = differentiated
-            static["manual"] = [_sharding.varying(jax.typeof(v)) for v in values]
-            return value, gradients
+            # Which inputs were differentiated, and the manual axes each varies over, ride
+            # in the residuals' structure (dictionary keys, no arrays): each call of this
+            # rule (one per order of differentiation) hands its own to its backward rule.
+            inputs = {(j, _sharding.varying(jax.typeof(values[j]))): None for j in differentiated}
+            return value, (gradients, inputs)
 
-        def run_bwd(gradients: Any, cotangent: Any) -> tuple[Any, ...]:
-            differentiated, manual = static["differentiated"], static["manual"]
+        def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, ...]:
+            gradients, inputs = residuals
             summed = _scaled_sum(gradients, cotangent)
-            out: list[Any] = [None] * len(manual)
+            out: list[Any] = [None] * (count + len(hoisted))
             if summed is None:  # no cotangent reached an output
                 return tuple(out)
-            for j, g in zip(differentiated, summed, strict=True):
-                out[j] = _as_varying(g, manual[j])
+            for (j, manual), g in zip(sorted(inputs), summed, strict=True):
+                out[j] = _as_varying(g, manual)
             return tuple(out)
 
         run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
