@@ -37,7 +37,14 @@ from typing import Any
 
 import jax
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, new_jaxpr_eqn
+from jax.extend.core import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Var,
+    jaxprs_in_params,
+    new_jaxpr_eqn,
+)
 
 _CONV = jax.lax.conv_general_dilated_p
 _TRANSPOSE = jax.lax.transpose_p
@@ -46,26 +53,15 @@ _TRANSPOSE = jax.lax.transpose_p
 def canonical(program: ClosedJaxpr) -> ClosedJaxpr:
     """``program`` with its convolutions, at any depth, in Eigen's order and with
     derivatives in Eigen's order (on the CPU)."""
-    if jax.default_backend() != "cpu" or not _has_other_order(program.jaxpr):
+    if jax.default_backend() != "cpu" or not _has_work(program.jaxpr):
         return program
     return ClosedJaxpr(_rewrite(program.jaxpr), program.consts)
 
 
-def _has_other_order(jaxpr: Jaxpr) -> bool:
+def _has_work(jaxpr: Jaxpr) -> bool:
     return any(_needs_rewrite(eqn) or _takes_rule(eqn) for eqn in jaxpr.eqns) or any(
-        _has_other_order(sub) for eqn in jaxpr.eqns for sub in _subjaxprs(eqn.params)
+        _has_work(sub) for eqn in jaxpr.eqns for sub in jaxprs_in_params(eqn.params)
     )
-
-
-def _subjaxprs(params: dict[str, Any]) -> list[Jaxpr]:
-    found = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, Jaxpr):
-                found.append(v)
-    return found
 
 
 def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
@@ -75,7 +71,7 @@ def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
             eqns.extend(spliced)
         elif _needs_rewrite(eqn):
             eqns.extend(_reordered(eqn) or [eqn])
-        elif any(_has_other_order(sub) for sub in _subjaxprs(eqn.params)):
+        elif any(_has_work(sub) for sub in jaxprs_in_params(eqn.params)):
             eqns.append(eqn.replace(params=_rewrite_params(eqn.params)))
         else:
             eqns.append(eqn)
