@@ -9,8 +9,11 @@ import jax
 import numpy as np
 
 
-def assert_trees_close(actual: Any, expected: Any, what: str) -> None:
-    """Raises if two pytrees of arrays differ beyond float32 rounding."""
+def assert_trees_close(
+    actual: Any, expected: Any, what: str, reference: str = "its reference"
+) -> None:
+    """Raises if two pytrees of arrays (None leaves skipped) differ beyond float32
+    rounding; prints that ``what`` matches ``reference`` otherwise."""
     pairs = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
     worst = max(
         float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
@@ -18,4 +21,4 @@ def assert_trees_close(actual: Any, expected: Any, what: str) -> None:
     )
     if worst > 1e-4:
         raise AssertionError(f"{what}: relative difference {worst:.2e}")
-    print(f"check: {what} matches its reference (max relative difference {worst:.1e})")
+    print(f"check: {what} matches {reference} (max relative difference {worst:.1e})")

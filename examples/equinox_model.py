@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from checks import assert_trees_close
 
 from microbatching import AccumulationType, microbatch
 
@@ -76,20 +77,6 @@ def partitioned_loss_and_grad(static: Any, microbatch_size: int) -> Any:
     return jax.value_and_grad(mean_loss)
 
 
-def assert_trees_close(actual: Any, expected: Any, what: str) -> None:
-    """Raises if two pytrees of arrays (None leaves skipped) differ beyond rounding."""
-    pairs = zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)
-    worst = max(
-        float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
-        for a, b in (jax.device_get(pair) for pair in pairs)
-    )
-    if worst > 1e-4:
-        raise AssertionError(f"{what}: relative difference {worst:.2e}")
-    print(
-        f"check: {what} matches jax.grad of the whole batch (max relative difference {worst:.1e})"
-    )
-
-
 def check_gradients(model: eqx.nn.MLP, x: jax.Array, y: jax.Array, microbatch_size: int) -> None:
     """Both ways against ``eqx.filter_grad`` of the whole batch, in one compiled call."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -105,11 +92,13 @@ def check_gradients(model: eqx.nn.MLP, x: jax.Array, y: jax.Array, microbatch_si
         )
 
     filtered, partitioned, whole = gradients(model, params, x, y)
-    assert_trees_close(filtered, whole, "microbatch(eqx.filter_value_and_grad(loss))")
+    whole_batch = "jax.grad of the whole batch"
+    assert_trees_close(filtered, whole, "microbatch(eqx.filter_value_and_grad(loss))", whole_batch)
     assert_trees_close(
         partitioned,
         eqx.filter(whole, eqx.is_inexact_array),
         "jax.grad(microbatch(loss)) with eqx.partition/combine",
+        whole_batch,
     )
 
 
