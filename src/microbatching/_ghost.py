@@ -128,6 +128,10 @@ class Rule:
       primitives: Their primitives, for reading.
       flops: The per-example flops of its norm.
       bytes: The per-example bytes of its norm's intermediates.
+      form: How a ``dense``, ``conv`` or ``embedding`` rule evaluates the norm: one of
+        ``FORMS``.
+      product_bytes: The per-example bytes of the product form, which a ``gram`` form
+        falls back to for the examples whose error bound it cannot meet.
     """
 
     name: str
@@ -135,6 +139,8 @@ class Rule:
     primitives: tuple[str, ...]
     flops: int
     bytes: int = 0  # per example, of the intermediates of its norm
+    form: str = ""  # of a Gram rule: "gram", "product" or "rows" (see ``FORMS``)
+    product_bytes: int = 0  # per example, of the product form (a Gram form's fallback)
 
 
 @dataclasses.dataclass
@@ -326,8 +332,8 @@ def _rule(program: Program, leaf: int) -> Rule:
     cost = _gram_cost(program, site)
     if cost is None:
         return direct
-    name, flops, entries = cost
-    return Rule(name, reached, names, flops, 4 * entries)
+    name, form, flops, entries, product = cost
+    return Rule(name, reached, names, flops, 4 * entries, form, 4 * product)
 
 
 def _rows_of(program: Program, site: Site) -> int:
@@ -391,9 +397,10 @@ def _chain_end(program: Program, leaf: int) -> int | None:
         key = e.outs[0]
 
 
-def _gram_cost(program: Program, site: Site) -> tuple[str, int, int] | None:
-    """``(rule, flops, entries)`` per example where ``site`` has a Gram form, else None:
-    ``entries`` counts the intermediates of its norm."""
+def _gram_cost(program: Program, site: Site) -> tuple[str, str, int, int, int] | None:
+    """``(rule, form, flops, entries, product entries)`` per example where ``site`` has a
+    Gram rule, else None: ``entries`` counts the intermediates of its norm in ``form``,
+    ``product entries`` those of the product form (a Gram form's fallback)."""
     e = program.eqns[site.eqn]
     name = e.primitive.name
     if name == "dot_general" and site.data == (1 - site.free[0],):
@@ -406,21 +413,23 @@ def _gram_cost(program: Program, site: Site) -> tuple[str, int, int] | None:
     if name == "gather" and site.free == (0,) and _is_row_gather(program, e):
         rows, width = program.avals[_key(program, site, 0)].shape
         t = math.prod(program.avals[e.outs[0]].shape) // max(width, 1)
-        gram = t * t <= rows
-        return (
-            "embedding",
-            min(t * t * width, t * width + rows * width),
-            (t * t + t * width if gram else rows * width + t * width),
-        )
+        scatter = rows * width + t * width
+        if t * t <= rows:
+            return "embedding", "gram", t * t * width, t * t + t * width, scatter
+        return "embedding", "product", t * width + rows * width, scatter, scatter
     return None
 
 
-def _product_cost(h: int, t: int, k: int, n: int) -> tuple[int, int]:
-    """``(flops, entries)`` of the cheaper of the two forms of ``_product_norm``."""
+def _product_cost(h: int, t: int, k: int, n: int) -> tuple[str, int, int, int]:
+    """``(form, flops, entries, product entries)`` of the cheaper of the two forms of
+    ``_product_norm``."""
     rows = h * t * (k + n)
+    product = rows + h * k * n
+    if t == 1:
+        return "rows", h * (k + n), rows, product
     if t * t * (k + n) <= t * k * n:
-        return h * t * t * (k + n), rows + 2 * h * t * t
-    return h * t * k * n, rows + h * k * n
+        return "gram", h * t * t * (k + n), rows + 2 * h * t * t, product
+    return "product", h * t * k * n, product, product
 
 
 def _dense_dims(program: Program, e: Eqn, free: int) -> tuple[int, int, int, int]:
@@ -583,20 +592,99 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
     columns: list[jax.Array] = [jnp.zeros((rows,), jnp.float32)] * program.n_params
     for leaf, rule in enumerate(program.rules):
         if rule.name in GRAM_NORMS:
-            k = rule.sites[0]
-            norm = GRAM_NORMS[rule.name]
-            site = program.sites[k]
-            columns[leaf] = jax.lax.map(
-                lambda pair, s=site, f=norm: f(program, s, *pair),
-                (seen.inputs[k], seen.cotangents[k]),
-                batch_size=max(1, NORM_CHUNK_BYTES // max(rule.bytes, 1)),
-            )
+            columns[leaf] = _site_norms(program, rule, seen)
     direct = [leaf for leaf, r in enumerate(program.rules) if r.name == "direct"]
     if direct:
         for leaf, norms in zip(direct, _direct_norms(program, params, seen, direct), strict=True):
             columns[leaf] = norms
     wide = jnp.result_type(*columns) if columns else jnp.float32
     return jnp.stack([c.astype(wide) for c in columns], axis=1) if columns else jnp.zeros((rows, 0))
+
+
+def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
+    """Each example's norm of a leaf with a Gram rule, ``rule.form`` at a time. A ``gram``
+    form's chunk of examples is recomputed by the product form, inside the compiled loop,
+    where any of its examples fails the Gram form's error bound (``_reliable``)."""
+    k = rule.sites[0]
+    site, norm = program.sites[k], GRAM_NORMS[rule.name]
+
+    def product(pair: Any) -> jax.Array:
+        return norm(program, site, *pair, gram=False)[0]
+
+    pairs = (seen.inputs[k], seen.cotangents[k])
+    if rule.form != "gram":
+        return jax.lax.map(product, pairs, batch_size=_chunk_rows(rule.bytes))
+
+    def checked(chunk: Any) -> jax.Array:
+        norms, reliable = jax.vmap(lambda x, g: norm(program, site, x, g, gram=True))(*chunk)
+
+        def recomputed() -> jax.Array:
+            exact = jax.lax.map(product, chunk, batch_size=_chunk_rows(rule.product_bytes))
+            return jnp.where(reliable, norms, exact.astype(norms.dtype))
+
+        return jax.lax.cond(jnp.all(reliable), lambda: norms, recomputed)
+
+    return _by_chunks(checked, pairs, _chunk_rows(rule.bytes))
+
+
+def _chunk_rows(per_example: int) -> int:
+    """How many examples' norm intermediates of ``per_example`` bytes fit in a chunk."""
+    return max(1, NORM_CHUNK_BYTES // max(per_example, 1))
+
+
+def _by_chunks(f: Callable[[Any], jax.Array], xs: Any, size: int) -> jax.Array:
+    """``f`` of every chunk of ``size`` rows of ``xs`` (a last, shorter chunk for the
+    rest), concatenated: ``jax.lax.map(..., batch_size=size)`` where ``f`` sees the
+    chunk whole, so that a choice it makes for the chunk stays a branch."""
+    rows = jax.tree.leaves(xs)[0].shape[0]
+    if rows <= size:
+        return f(xs)
+    whole = rows // size * size
+    stacked = jax.tree.map(lambda x: x[:whole].reshape(rows // size, size, *x.shape[1:]), xs)
+    parts = [jax.lax.map(f, stacked).reshape(whole)]
+    if rows > whole:
+        parts.append(f(jax.tree.map(lambda x: x[whole:], xs)))
+    return jnp.concatenate(parts)
+
+
+GRAM_TOLERANCE = {32: 1e-5, 64: 1e-12}
+"""The relative error, by the bits of the dtype the norms are computed in (at least
+float32), that a Gram form's norm must be within of its exact value: a norm whose error
+bound exceeds it is recomputed by the product form."""
+
+GRAM_ERROR_MARGIN = 8.0
+"""The factor of safety on the Gram form's error estimate ``u * E`` (see
+``_reliable``). The estimate models each rounded inner product as off by ``u`` times
+the product of its operands' norms, and the sum of the Gram terms as off by ``u`` times
+the sum of their magnitudes; the error measured on random, same-sign and cancelling
+rows (2 to 512 rows of 4 to 512 entries, XLA:CPU) was at most 4.3 times it."""
+
+
+def _reliable(gram: jax.Array, error: jax.Array) -> jax.Array:
+    """Whether a Gram sum ``gram`` (a squared norm), whose rounding error is estimated as
+    ``u * error``, gives its norm within ``GRAM_TOLERANCE``. The square's relative error
+    is twice the norm's. A sum that is not finite came from rows that are not, and is
+    kept as it is: the product form would not be finite either."""
+    u = jnp.finfo(gram.dtype).eps / 2
+    tolerance = GRAM_TOLERANCE[jnp.finfo(gram.dtype).bits]
+    bound = GRAM_ERROR_MARGIN * u * error
+    return (bound <= 2 * tolerance * gram) | (error == 0) | ~jnp.isfinite(gram + error)
+
+
+def _gram_error(xx: jax.Array, gg: jax.Array, exact: bool = False) -> jax.Array:
+    """``E`` for ``sum(xx * gg)``, Gram matrices of rows ``a_t`` and ``g_t`` (over their
+    leading axes, ``(..., T, T)``): each inner product ``a_t.a_s`` rounds to within about
+    ``u ||a_t|| ||a_s||`` whatever its size, so a term errs by ``u (||a_t|| ||a_s|| |g_t.g_s|
+    + |a_t.a_s| ||g_t|| ||g_s||)``, and their sum by ``u sum |xx * gg|`` more. Where rows
+    repeat and cotangents cancel, ``E`` is as large as ``(sum_t ||a_t|| ||g_t||)^2`` while
+    the sum (the squared norm) is small: the squared condition number of the form.
+    ``exact``: ``xx`` has no rounding error (the equal-ids matrix of an embedding)."""
+    g = jnp.sqrt(jnp.diagonal(gg, axis1=-2, axis2=-1))
+    error = jnp.abs(xx) * (g[..., :, None] * g[..., None, :]) + jnp.abs(xx * gg)
+    if not exact:
+        a = jnp.sqrt(jnp.diagonal(xx, axis1=-2, axis2=-1))
+        error = error + a[..., :, None] * a[..., None, :] * jnp.abs(gg)
+    return jnp.sum(error)
 
 
 def _direct_sites(program: Program, leaves: Sequence[int]) -> list[int]:
@@ -745,21 +833,41 @@ def _scaled_products(
     return pull(cotangents)[0]
 
 
-def _scaled(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(x / m, m)`` with ``m = max |x|`` in at least float32; ``x`` is divided by 1
-    where ``m`` is 0 or not finite, and ``m`` is returned as it is."""
+def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``x`` times a power of two that brings its largest magnitude ``m`` into
+    ``[1/2, 1)``, in at least float32, and the two powers of two whose product undoes it.
+
+    Multiplying by a power of two is exact, so the product form of a norm errs only by
+    the rounding of its own products, as the gradient does: a scale by ``m`` itself would
+    round every entry, an error as large as the largest row where rows cancel. Each
+    power is applied in two halves, so that neither is subnormal (flushed to 0 on the
+    CPU) for any finite ``m``. Where ``m`` is 0 or not finite ``x`` is left as it is,
+    and the scale returned is ``m`` (0, ``inf`` or NaN) and 1.
+    """
     wide = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = x.astype(wide)
     m = jnp.max(jnp.abs(x), initial=0.0)
-    safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0).astype(m.dtype)
-    root = jnp.sqrt(safe)
-    return x / root / root, jnp.where(m > 0, m, 0.0).astype(m.dtype)
+    info = jnp.finfo(wide)
+    ints = jnp.int32 if info.bits == 32 else jnp.int64
+    bias = info.maxexp - 1
+    usable = (m > 0) & jnp.isfinite(m)
+    field = jax.lax.bitcast_convert_type(jnp.where(usable, m, 1).astype(wide), ints)
+    exponent = jnp.maximum(field >> info.nmant, 1) - bias + 1  # m < 2**exponent
+    half = exponent // 2
+
+    def power(k: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type((k + bias) << info.nmant, wide)
+
+    scaled = x * power(-half) * power(half - exponent)
+    up = power(half), power(exponent - half)
+    return scaled, (jnp.where(usable, up[0], jnp.where(m > 0, m, 0)), jnp.where(usable, up[1], 1))
 
 
 def _from_gram(gram: jax.Array, *scales: jax.Array) -> jax.Array:
-    """The norm from a Gram sum of rows divided by their largest magnitudes ``scales``;
-    ``inf`` or NaN where a scale (the largest magnitude itself) is."""
-    norm = jnp.sqrt(jnp.maximum(gram, 0))
+    """The norm from a squared norm of rows scaled down by ``_scaled``, and the factors
+    that undo it; ``inf`` or NaN where a factor (the largest magnitude itself) is. ``gram``
+    is never negative: a Gram sum that could be is recomputed (``_reliable``)."""
+    norm = jnp.sqrt(gram)
     bad = jnp.zeros((), norm.dtype)
     for scale in scales:
         norm = norm * scale
@@ -771,9 +879,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _dense_norm(
-    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
-) -> jax.Array:
-    """One example's norm of ``x^T g`` at a ``dot_general`` site (Gram or direct)."""
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any], gram: bool
+) -> tuple[jax.Array, jax.Array]:
+    """One example's norm of ``x^T g`` at a ``dot_general`` site, and whether it is
+    reliable (``_product_norm``)."""
     e = program.eqns[site.eqn]
     free = site.free[0]
     (x,), (g,) = inputs, cotangents
@@ -790,31 +899,36 @@ def _dense_norm(
     wide = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
     xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k).astype(wide)
     gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n).astype(wide)
-    return _product_norm(xs, gs)
+    return _product_norm(xs, gs, gram)
 
 
-def _product_norm(xs: jax.Array, gs: jax.Array) -> jax.Array:
-    """The norm of ``sum_t xs[h, t] (outer) gs[h, t]`` over all ``h``: from the Gram
-    matrices of the rows, or from the product itself, whichever takes fewer flops."""
-    _, t, k = xs.shape
-    n = gs.shape[2]
+def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, jax.Array]:
+    """The norm of ``sum_t xs[h, t] (outer) gs[h, t]`` over all ``h``, from the Gram
+    matrices of the rows (``gram``) or from the product itself, and whether it is
+    reliable: the product form always is (a sum of squares errs as the gradient does),
+    the Gram form where its error bound meets ``GRAM_TOLERANCE`` (``_reliable``)."""
+    h, t, _ = xs.shape
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
-        h = xs.shape[0]
-        return _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
+        norm = _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
+        return norm, jnp.ones((), bool)
     xs, mx = _scaled(xs)
     gs, mg = _scaled(gs)
-    if t * t * (k + n) <= t * k * n:
-        xx = jnp.einsum("htk,hsk->hts", xs, xs, precision=HIGHEST)
-        gg = jnp.einsum("htn,hsn->hts", gs, gs, precision=HIGHEST)
-        gram = jnp.sum(xx * gg)
-    else:
-        gram = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
-    return _from_gram(gram, mx, mg)
+    scales = (*mx, *mg)
+    if not gram:
+        squares = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
+        return _from_gram(squares, *scales), jnp.ones((), bool)
+    xx = jnp.einsum("htk,hsk->hts", xs, xs, precision=HIGHEST)
+    gg = jnp.einsum("htn,hsn->hts", gs, gs, precision=HIGHEST)
+    total = jnp.sum(xx * gg)
+    reliable = _reliable(total, _gram_error(xx, gg))
+    # Where it is not reliable the caller takes the product form's norm instead; 1 keeps
+    # the discarded value, and its derivative, finite.
+    return _from_gram(jnp.where(reliable, total, 1), *scales), reliable
 
 
 def _conv_norm(
-    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
-) -> jax.Array:
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any], gram: bool
+) -> tuple[jax.Array, jax.Array]:
     """One example's norm of a convolution's kernel gradient: the product of the input
     patches (``T x K``) and the output cotangents (``T x N``)."""
     e = program.eqns[site.eqn]
@@ -851,13 +965,15 @@ def _conv_norm(
     order = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
     xs = patches.reshape(1, t, k).astype(wide)
     gs = jnp.transpose(g, order).reshape(1, t, n).astype(wide)
-    return _product_norm(xs, gs)
+    return _product_norm(xs, gs, gram)
 
 
 def _embedding_norm(
-    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
-) -> jax.Array:
-    """One example's norm of the scattered rows at a row gather ``table[ids]``."""
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any], gram: bool
+) -> tuple[jax.Array, jax.Array]:
+    """One example's norm of the scattered rows at a row gather ``table[ids]``: from the
+    Gram matrix of the cotangents of equal ids (``gram``, checked by ``_reliable``), or
+    from the scattered rows themselves."""
     e = program.eqns[site.eqn]
     (ids,), (g,) = inputs, cotangents
     rows, width = program.avals[e.ins[0]].shape  # type: ignore[index]
@@ -867,13 +983,14 @@ def _embedding_norm(
         g = jnp.where(((ids >= 0) & (ids < rows))[:, None], g, jnp.zeros((), g.dtype))
     ids = jnp.clip(ids, 0, rows - 1)
     gs, mg = _scaled(g)
-    t = ids.shape[0]
-    if t * t <= rows:
-        same = ids[:, None] == ids[None, :]
-        gram = jnp.sum(jnp.where(same, jnp.einsum("td,sd->ts", gs, gs, precision=HIGHEST), 0))
-    else:
-        gram = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
-    return _from_gram(gram, mg)
+    if not gram:
+        squares = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
+        return _from_gram(squares, *mg), jnp.ones((), bool)
+    same = (ids[:, None] == ids[None, :]).astype(gs.dtype)  # the ids' Gram matrix, exact
+    gg = jnp.einsum("td,sd->ts", gs, gs, precision=HIGHEST)
+    total = jnp.sum(same * gg)
+    reliable = _reliable(total, _gram_error(same, gg, exact=True))
+    return _from_gram(jnp.where(reliable, total, 1), *mg), reliable
 
 
 GRAM_NORMS = {"dense": _dense_norm, "conv": _conv_norm, "embedding": _embedding_norm}

@@ -27,6 +27,11 @@ class LeafRule:
         method).
       sites: The primitives where the leaf meets the data.
       flops: Per-example flops (or entries, for ``direct``) of its norm.
+      form: For ``dense``, ``conv`` and ``embedding``: ``gram`` (from the Gram matrices
+        of the rows, with an error bound checked per example; an example that fails it
+        is recomputed by the product form, in the compiled loop), ``product`` (the
+        product of the rows, the leaf's gradient one example at a time) or ``rows`` (one
+        row per example: the product of two norms). Empty for the other rules.
 
     >>> LeafRule("['w']", (3, 2), "dense", ("dot_general",), 12).rule
     'dense'
@@ -37,6 +42,7 @@ class LeafRule:
     rule: str
     sites: tuple[str, ...]
     flops: int
+    form: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,8 @@ class ClippingReport:
         head = f"method: {self.method} ({self.reason})"
         share = ", ".join(f"{rule} {100 * f:.1f}%" for rule, f in self.coverage().items())
         rows = [
-            f"  {leaf.path:<40} {leaf.shape!s:<16} {leaf.rule:<10} {'+'.join(leaf.sites)}"
+            f"  {leaf.path:<40} {leaf.shape!s:<16} {leaf.rule:<10} {leaf.form:<8} "
+            f"{'+'.join(leaf.sites)}"
             for leaf in self.leaves
         ]
         return "\n".join([head, f"coverage of parameters: {share}", *rows])

@@ -536,7 +536,7 @@ def describe(
             raise ValueError(_NO_GHOST.format(method=method, reason=program))
         return per_example_gradients(program)
     leaves = tuple(
-        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops)
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
         for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
     )
     ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)

@@ -1,0 +1,294 @@
+"""Ghost norms on inputs built to cancel: rows that repeat, with cotangents that nearly
+balance, so that an example's gradient is small against the terms of its Gram form.
+
+Every example's gradient here is ``sum_t a_t (outer) g_t`` with one unit row ``a`` read
+twice and cotangents ``u`` and ``-u + d``, ``||u|| = ratio * ||d||``: its norm is
+``||d||`` while the Gram form adds terms of ``||u||^2``. The reference is that gradient
+in float64, from the same (rounded) inputs the model sees. Every norm must be within
+the DP guide's tolerance of it (``GRAM_TOLERANCE``, plus the rounding that the gradient
+itself carries, ``u * sum_t ||a_t|| ||g_t||``), through every path that reads norms.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import microbatching
+from microbatching import _ghost, micro_grad
+
+RATIOS = (1e1, 1e2, 1e3, 1e4, 1e5, 1e6)
+"""One example per ratio ``||u|| / ||d||``."""
+WIDTH = 4
+CLIP = 0.1
+"""Below every gradient norm of the suite, so that every example is clipped."""
+A_ROW = np.full(WIDTH, 0.5)
+"""A unit row whose products with any float are exact, so that the product form (and
+the gradient) is exact and any error left is the Gram form's."""
+
+
+def scale_of(dtype: Any) -> float:
+    """``||d||``: small enough that ``ratio * ||d||`` fits float16's range."""
+    return 1e-2 if jnp.dtype(dtype) == jnp.float16 else 1.0
+
+
+def cotangents(dtype: Any, ratios=RATIOS, seed: int = 0) -> np.ndarray:
+    """``(examples, 2, WIDTH)``: ``u`` and ``-u + d`` for each ratio, in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for ratio in ratios:
+        d = rng.normal(size=WIDTH)
+        d *= scale_of(dtype) / np.linalg.norm(d)
+        u = rng.normal(size=WIDTH)
+        u *= ratio * scale_of(dtype) / np.linalg.norm(u)
+        rows.append(np.stack([u, -u + d]))
+    return np.asarray(jnp.asarray(np.stack(rows), dtype).astype(jnp.float32), np.float64)
+
+
+def dense(dtype: Any):
+    def loss(p, x, v):
+        return jnp.sum((x @ p["w"]) * v)
+
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)), dtype)}
+    v = cotangents(dtype)
+    x = np.broadcast_to(A_ROW, (*v.shape[:2], WIDTH))
+    batch = (jnp.asarray(x, dtype), jnp.asarray(v, dtype))
+
+    def reference(x, v):  # one example's gradient of w, from its (2, WIDTH) rows
+        return {"w": x.T @ v}
+
+    return loss, params, batch, reference
+
+
+def embedding(dtype: Any):
+    rows = 16
+
+    def loss(p, ids, v):
+        return jnp.sum(p["table"][ids] * v)
+
+    rng = np.random.default_rng(2)
+    params = {"table": jnp.asarray(rng.normal(size=(rows, WIDTH)), dtype)}
+    v = cotangents(dtype)
+    ids = np.full(v.shape[:2], 3, np.int32)
+    batch = (jnp.asarray(ids), jnp.asarray(v, dtype))
+
+    def reference(ids, v):
+        table = np.zeros((rows, WIDTH))
+        np.add.at(table, ids, v)
+        return {"table": table}
+
+    return loss, params, batch, reference
+
+
+def conv(dtype: Any):
+    """A 1x1 convolution over two positions holding the same patch."""
+
+    def loss(p, x, v):
+        out = jax.lax.conv_general_dilated(
+            x, p["kernel"], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        return jnp.sum(out * v)
+
+    rng = np.random.default_rng(3)
+    params = {"kernel": jnp.asarray(rng.normal(size=(1, WIDTH, WIDTH)), dtype)}
+    v = cotangents(dtype)
+    x = np.broadcast_to(A_ROW, (*v.shape[:2], WIDTH))
+    batch = (jnp.asarray(x, dtype), jnp.asarray(v, dtype))
+
+    def reference(x, v):
+        return {"kernel": (x.T @ v)[None]}
+
+    return loss, params, batch, reference
+
+
+RULES = {"dense": dense, "embedding": embedding, "conv": conv}
+FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def references(reference: Callable[..., Any], batch: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+    """Each example's float64 gradient norm, ``sum_t ||a_t|| ||g_t||`` (what a product of
+    its rows errs by, times ``u``), and the gradients."""
+    x, v = (
+        np.asarray(b) if jnp.issubdtype(b.dtype, jnp.integer) else np.asarray(b, np.float64)
+        for b in (jnp.asarray(b) for b in batch)
+    )
+    grads = [reference(x[i], v[i]) for i in range(len(x))]
+    norms = np.array([np.sqrt(sum(np.sum(g**2) for g in grad.values())) for grad in grads])
+    rows = np.linalg.norm(v, axis=-1).sum(axis=1)  # ||a_t|| = 1 (0.5 per entry)
+    return norms, rows, grads
+
+
+def assert_norms_close(got: Any, want: np.ndarray, rows: np.ndarray) -> None:
+    u = float(jnp.finfo(jnp.float32).eps) / 2
+    slack = _ghost.GRAM_TOLERANCE[32] * want + 4 * u * rows
+    error = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(error <= slack), f"norms {np.asarray(got)} against {want} (error {error})"
+
+
+def grad_fn(loss: Any, dtype: Any, **options: Any) -> Any:
+    return micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        microbatch_size=2,
+        accumulation_dtype=dtype,  # so that a narrow model still takes the ghost norms
+        metrics_fn=microbatching.l2_norm,
+        **options,
+    )
+
+
+PATHS = {
+    "l2_norm": {},
+    "auto": {"l2_clip_norm": CLIP},
+    "ghost": {"l2_clip_norm": CLIP, "clip_method": "ghost"},
+    "two_pass": {"l2_clip_norm": CLIP, "clip_method": "two_pass"},
+    "per-layer": {"l2_clip_norm": {"w": CLIP}, "clip_method": "ghost"},
+}
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("path", PATHS)
+def test_cancelling_rows_keep_their_norms(rule: str, dtype: Any, path: str) -> None:
+    loss, params, batch, reference = RULES[rule](dtype)
+    options = dict(PATHS[path])
+    if path == "per-layer":
+        options["l2_clip_norm"] = {next(iter(params)): CLIP}
+    fn = grad_fn(loss, dtype, **options)
+    report = microbatching.clipping_report(fn, params, *batch)
+    assert report.method in ("ghost", "two_pass"), str(report)
+    assert [leaf.form for leaf in report.leaves] == ["gram"], str(report)
+    summed, aux = jax.jit(fn)(params, *batch)
+    norms, rows, grads = references(reference, batch)
+    assert_norms_close(aux.metrics, norms, rows)
+    if "l2_clip_norm" in options and dtype == jnp.float32:
+        u = float(jnp.finfo(jnp.float32).eps) / 2
+        factors = np.minimum(1, CLIP / norms)
+        (leaf,) = params
+        want = sum(f * g[leaf] for f, g in zip(factors, grads, strict=True))
+        # Scaling a cotangent by its clip factor rounds it by u of its size, the
+        # gradient's own error: u * ratio * ||d|| per example, times its factor.
+        slack = np.sum(factors * 4 * u * rows) + _ghost.GRAM_TOLERANCE[32] * CLIP
+        error = float(np.linalg.norm(np.asarray(summed[leaf], np.float64) - want))
+        assert error <= slack, f"clipped sum off by {error} (allowed {slack})"
+        assert float(np.linalg.norm(np.asarray(summed[leaf]))) <= len(norms) * CLIP + slack
+
+
+@pytest.mark.x64
+def test_cancelling_rows_keep_their_norms_in_float64() -> None:
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+    for rule, model in RULES.items():
+        loss, params, batch, reference = model(jnp.float64)
+        fn = grad_fn(loss, jnp.float64, l2_clip_norm=CLIP)
+        report = microbatching.clipping_report(fn, params, *batch)
+        assert [leaf.form for leaf in report.leaves] == ["gram"], str(report)
+        _, aux = fn(params, *batch)
+        norms, _, _ = references(reference, batch)
+        error = np.abs(np.asarray(aux.metrics) - norms)
+        assert np.all(error <= _ghost.GRAM_TOLERANCE[64] * norms + 1e-15), (rule, error)
+
+
+def test_the_gram_form_stays_where_its_bound_holds_and_falls_back_where_not() -> None:
+    """Both outcomes of the check: rows that do not cancel keep the Gram form (and agree
+    with the product form), rows that cancel are marked for the product form."""
+    rng = np.random.default_rng(4)
+    xs = jnp.asarray(rng.normal(size=(1, 2, WIDTH)), jnp.float32)
+    gs = jnp.asarray(rng.normal(size=(1, 2, WIDTH)), jnp.float32)
+    gram, reliable = _ghost._product_norm(xs, gs, gram=True)
+    product, _ = _ghost._product_norm(xs, gs, gram=False)
+    assert bool(reliable)
+    np.testing.assert_allclose(float(gram), float(product), rtol=1e-6, atol=1e-30)
+    v = cotangents(jnp.float32, ratios=(1e3,))[0]
+    x = jnp.asarray(np.broadcast_to(A_ROW, (1, 2, WIDTH)), jnp.float32)
+    _, reliable = _ghost._product_norm(x, jnp.asarray(v[None], jnp.float32), gram=True)
+    assert not bool(reliable)
+
+
+def gram_terms(kind: int, t: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of four kinds: random; repeated with cancelling cotangents; all positive
+    (rounding errors of one sign); nearly equal with nearly opposite cotangents."""
+    rng = np.random.default_rng(seed)
+    x, g = rng.normal(size=(t, k)), rng.normal(size=(t, n))
+    if kind == 1:
+        x[:] = x[0]
+        g[1::2] = -g[0::2] + rng.normal(size=g[1::2].shape) * 10.0 ** -rng.uniform(0, 4)
+    elif kind == 2:
+        x, g = np.abs(x), np.abs(g)
+    elif kind == 3:
+        x = 1 + 1e-3 * rng.normal(size=(t, k))
+        g[1::2] = -g[0::2] * (1 + 1e-3 * rng.normal(size=g[1::2].shape))
+    return x.astype(np.float32), g.astype(np.float32)
+
+
+@jax.jit
+def _gram_and_error(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    xx = jnp.einsum("tk,sk->ts", x, x, precision=_ghost.HIGHEST)
+    gg = jnp.einsum("tn,sn->ts", g, g, precision=_ghost.HIGHEST)
+    return jnp.sum(xx * gg), _ghost._gram_error(xx, gg)
+
+
+@pytest.mark.parametrize("shape", [(2, 512, 4), (16, 64, 128), (32, 512, 512), (64, 128, 128)])
+def test_the_gram_error_estimate_covers_the_rounding(shape: tuple[int, int, int]) -> None:
+    """The estimate ``u * E``, times its margin, bounds the Gram sum's actual error, on
+    rows built to round badly (the margin's own calibration, pinned)."""
+    u = float(jnp.finfo(jnp.float32).eps) / 2
+    for kind in range(4):
+        for seed in range(3):
+            x, g = gram_terms(kind, *shape, seed=seed)
+            total, error = _gram_and_error(jnp.asarray(x), jnp.asarray(g))
+            exact = float(np.sum((x.astype(np.float64).T @ g.astype(np.float64)) ** 2))
+            assert abs(float(total) - exact) <= _ghost.GRAM_ERROR_MARGIN * u * float(error)
+
+
+_PROPERTY_T, _PROPERTY_K = 4, 8
+"""Four rows of eight: the Gram form is the cheaper one (``T (k + n) <= k n``)."""
+
+
+def _property_loss(p, x, v):
+    return jnp.sum((x @ p) * v)
+
+
+_property_fn = jax.jit(
+    micro_grad(
+        _property_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=4,
+        keep_batch_dim=False,
+        metrics_fn=microbatching.l2_norm,
+    )
+)
+
+
+@hypothesis.settings(max_examples=25)
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    exponents=st.lists(st.floats(0, 6), min_size=8, max_size=8),
+    repeated=st.booleans(),
+)
+def test_no_norm_falls_below_its_reference(seed: int, exponents: list[float], repeated: bool):
+    """Cotangent pairs that nearly cancel (``g_{2i+1} = -g_{2i} + d``, ``||g|| / ||d||`` up
+    to 1e6), rows that repeat or not: no norm is below the float64 norm of the same
+    inputs' gradient by more than the tolerance and the product's own rounding."""
+    rng = np.random.default_rng(seed)
+    t, k = _PROPERTY_T, _PROPERTY_K
+    x = rng.normal(size=(8, t, k))
+    if repeated:
+        x[:] = x[:, :1]
+    g = rng.normal(size=(8, t, k))
+    d = rng.normal(size=(8, t // 2, k)) * (10.0 ** -np.asarray(exponents))[:, None, None]
+    g[:, 1::2] = -g[:, 0::2] + d
+    x32, g32 = x.astype(np.float32), g.astype(np.float32)
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(k, k)), jnp.float32)
+    _, aux = _property_fn(w, jnp.asarray(x32), jnp.asarray(g32))
+    x64, g64 = x32.astype(np.float64), g32.astype(np.float64)
+    want = np.linalg.norm(np.einsum("btk,btn->bkn", x64, g64), axis=(1, 2))
+    rows = np.sum(np.linalg.norm(x64, axis=-1) * np.linalg.norm(g64, axis=-1), axis=1)
+    u = float(jnp.finfo(jnp.float32).eps) / 2
+    slack = _ghost.GRAM_TOLERANCE[32] * want + t * u * rows
+    assert np.all(np.asarray(aux.metrics, np.float64) >= want - slack)
