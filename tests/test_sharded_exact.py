@@ -409,3 +409,77 @@ def test_integer_max_and_min_skip_examples_of_weight_zero_on_a_mesh(axis_type, k
         xs, ws = _put(mesh, (x, mask), P("data"))
         got = jax.jit(fun)(xs, example_weights=ws)
     np.testing.assert_array_equal(got, _extreme(kind, x[mask]))
+
+
+@pytest.mark.parametrize("gather", ["once", "per_microbatch"])
+@pytest.mark.parametrize("kind", [AccumulationType.SUM, AccumulationType.MAX], ids=str)
+def test_fsdp_transformed_gradients_come_back_laid_out_like_the_parameters(kind, gather):
+    """A ``transform_fn`` over FSDP parameters (Explicit mesh): its accumulated results
+    are sharded as the parameters are, eagerly and under ``jit``; a result of another
+    shape stays whole."""
+    params, tokens, targets = _embedding_problem()
+    grads = _per_example_grads(params, tokens, targets)
+
+    def transform(g):
+        return (jax.tree.map(jnp.sign, g), jnp.sum(g["w"]))
+
+    reduce = np.sum if kind is AccumulationType.SUM else np.max
+    want = (
+        {k: reduce(np.sign(g), axis=0) for k, g in grads.items()},
+        reduce(np.sum(grads["w"], axis=(1, 2))),
+    )
+    grad_fn = micro_grad(
+        _embedding_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=8,
+        transform_fn=transform,
+        accumulator=kind,
+        gather_params=gather,
+    )
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        p = _put(mesh, params, FSDP)
+        t, y = _put(mesh, (tokens, targets), P("data"))
+        for got, _ in (grad_fn(p, t, y), jax.jit(grad_fn)(p, t, y)):
+            assert_close(got, want, dtype=np.float32, terms=BATCH)
+            for name in params:
+                assert tuple(got[0][name].sharding.spec) == ("data", None), name
+            assert tuple(got[1].sharding.spec) == ()
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "two_pass", "materialize"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_a_whole_shard_of_nan_padding_reaches_no_outer_derivative(axis_type, method):
+    """The first device's rows are all padding (weight 0) and NaN: the clipped sum, and
+    ``jax.grad`` of a function of it with respect to the parameters, equal those of the
+    real rows alone (a regression of round 3's hostile tests)."""
+
+    def loss(p, v):
+        return jnp.sum(jnp.log(v) * p) ** 2
+
+    rng = np.random.default_rng(5)
+    v = rng.uniform(0.5, 2.0, size=(BATCH, 3)).astype(np.float32)
+    v[: BATCH // SHARDS] = np.nan
+    mask = np.arange(BATCH) >= BATCH // SHARDS
+    p = jnp.asarray([0.3, -0.2, 0.5], jnp.float32)
+    options: dict[str, Any] = {
+        "microbatch_size": 8,
+        "l2_clip_norm": 1.0,
+        "clip_method": method,
+        "keep_batch_dim": False,
+    }
+    grad_fn = micro_grad(loss, **options, **_mesh_options(axis_type))
+    plain = micro_grad(loss, **options)
+
+    def outer(p, fn, v, w):
+        return jnp.sum(fn(p, v, example_weights=w)[0] ** 2)
+
+    real = jnp.asarray(v[mask])
+    want = (plain(p, real)[0], jax.grad(outer)(p, plain, real, None))
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        vs, ws = _put(mesh, (v, mask), P("data"))
+        got = jax.jit(
+            lambda p, v, w: (grad_fn(p, v, example_weights=w)[0], jax.grad(outer)(p, grad_fn, v, w))
+        )(p, vs, ws)
+    assert_close(got, want, dtype=np.float32, terms=BATCH)

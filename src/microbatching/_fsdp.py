@@ -296,6 +296,37 @@ def _whole_over(x: Any, axes: tuple[str, ...]) -> Any:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*kept))
 
 
+def like_parameters(out: PyTree, params: Any, specs: Any) -> PyTree:
+    """``out`` with each subtree shaped like the gradient of ``params`` (a
+    ``transform_fn``'s output, or each of a tuple of them) laid out as the parameters are,
+    ``specs`` (their partition specs, as ``Layout.grad_specs`` gives them): resharded on
+    an Explicit mesh, constrained on an Auto one. Other subtrees are left whole."""
+    structure = jax.tree.structure(params)
+    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+
+    def shaped(node: Any) -> bool:
+        if jax.tree.structure(node) != structure:
+            return False
+        return [jnp.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+    def put(node: Any) -> Any:
+        if not shaped(node):
+            return node
+        leaves = jax.tree.leaves(node)
+        laid = [
+            _put(x, spec) for x, spec in zip(leaves, structure.flatten_up_to(specs), strict=True)
+        ]
+        return jax.tree.unflatten(structure, laid)
+
+    return jax.tree.map(put, out, is_leaf=shaped)
+
+
+def _put(x: Any, spec: PartitionSpec) -> Any:
+    if _sharding.explicit_sharding(x) is not None:
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
     """``x`` resharded so that the batch's mesh ``axes`` split it as ``spec`` says, its
     other axes kept, where its Explicit type says otherwise; else ``x``."""

@@ -294,7 +294,7 @@ def micro_grad(
                 outs = layout.reduce(outs)
             return _fsdp.combine(accumulators, outs, total, layout.axes, reduced=is_summed)
 
-        return _fsdp.run(
+        out, aux = _fsdp.run(
             layout,
             local_loop(layout, size // layout.count),
             nums,
@@ -303,6 +303,11 @@ def micro_grad(
             specs,
             finish,
         )
+        if not is_summed:  # a transform's sums come back whole: laid out as promised
+            params = tuple(args[i] for i in nums)
+            params = params if isinstance(example.argnums, tuple) else params[0]
+            out = _fsdp.like_parameters(out, params, layout.grad_specs(args, example.argnums))
+        return out, aux
 
     unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
 

@@ -375,7 +375,8 @@ def kept_row(
     if where is None or leaf.shape[axis] % where.count:  # not sharded, or not evenly
         count = kept.shape[0]
         first = jnp.min(jnp.where(kept, jnp.arange(count), count))
-        return jax.lax.dynamic_index_in_dim(leaf, jnp.where(first == count, 0, first), axis)
+        row = jax.lax.dynamic_index_in_dim(leaf, jnp.where(first == count, 0, first), axis)
+        return _from_a_device_that_has_one(row, first < count)
     parts, kept = chunk(leaf, axis, where), chunk(kept, 0, where)
     shape = [1] * parts.ndim
     shape[axis] = where.count
@@ -387,6 +388,23 @@ def kept_row(
     if rows.dtype == jnp.bool_:
         return jnp.any(chosen, axis=axis)
     return jnp.sum(chosen, axis=axis, dtype=rows.dtype)
+
+
+def _from_a_device_that_has_one(row: jax.Array, has: jax.Array) -> jax.Array:
+    """``row``, or inside ``shard_map``, on a device whose rows all have weight 0, the row
+    of the first device that has one (one row crosses devices): its own row 0 would
+    reach ``fun`` and, through an outer derivative, the result (a NaN of padding)."""
+    varying = _sharding.varying(jax.typeof(has))
+    if not varying:
+        return row
+    index = jax.lax.axis_index(varying)
+    owner = jax.lax.pmin(jnp.where(has, index, jnp.iinfo(index.dtype).max), varying)
+    mine = index == owner
+    if row.dtype == jnp.bool_:
+        shared = jax.lax.psum((mine & row).astype(jnp.int32), varying) > 0
+    else:
+        shared = jax.lax.psum(jnp.where(mine, row, jnp.zeros((), row.dtype)), varying)
+    return jnp.where(has, row, shared)
 
 
 def microbatch_struct(leaf: Any, axis: int, microbatch_size: int) -> Any:
