@@ -210,11 +210,19 @@ def test_the_gram_form_stays_where_its_bound_holds_and_falls_back_where_not() ->
     assert not bool(reliable)
 
 
+KINDS = 5
+
+
 def gram_terms(kind: int, t: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of four kinds: random; repeated with cancelling cotangents; all positive
-    (rounding errors of one sign); nearly equal with nearly opposite cotangents."""
+    """Rows of five kinds: random; repeated with cancelling cotangents; all positive
+    (rounding errors of one sign); nearly equal with nearly opposite cotangents; one
+    dominant entry and many small ones (whose squares a long sum loses)."""
     rng = np.random.default_rng(seed)
     x, g = rng.normal(size=(t, k)), rng.normal(size=(t, n))
+    if kind == 4:
+        x[:] = 0
+        x[0, :], x[:, 0] = 2.4e-4, 1.0
+        g[1::2] = -g[0::2] + rng.normal(size=g[1::2].shape)
     if kind == 1:
         x[:] = x[0]
         g[1::2] = -g[0::2] + rng.normal(size=g[1::2].shape) * 10.0 ** -rng.uniform(0, 4)
@@ -228,17 +236,21 @@ def gram_terms(kind: int, t: int, k: int, n: int, seed: int) -> tuple[np.ndarray
 
 @jax.jit
 def _gram_and_error(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    xx = jnp.einsum("tk,sk->ts", x, x, precision=_ghost.HIGHEST)
-    gg = jnp.einsum("tn,sn->ts", g, g, precision=_ghost.HIGHEST)
-    return jnp.sum(xx * gg), _ghost._gram_error(xx, gg)
+    xx, gg = _ghost.gram_matrices(x[None]), _ghost.gram_matrices(g[None])
+    lengths = _ghost.inner_error(x.shape[-1]), _ghost.inner_error(g.shape[-1])
+    return jnp.sum(xx * gg), _ghost._gram_error(xx, gg, *lengths)
 
 
-@pytest.mark.parametrize("shape", [(2, 512, 4), (16, 64, 128), (32, 512, 512), (64, 128, 128)])
+SHAPES = [(2, 128, 4), (2, 512, 4), (16, 64, 128), (32, 512, 512), (64, 128, 128), (2, 2048, 4)]
+"""Rows up to 2048 entries, where one dot product of the row's length stagnated most."""
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_the_gram_error_estimate_covers_the_rounding(shape: tuple[int, int, int]) -> None:
     """The estimate ``u * E``, times its margin, bounds the Gram sum's actual error, on
     rows built to round badly (the margin's own calibration, pinned)."""
     u = float(jnp.finfo(jnp.float32).eps) / 2
-    for kind in range(4):
+    for kind in range(KINDS):
         for seed in range(3):
             x, g = gram_terms(kind, *shape, seed=seed)
             total, error = _gram_and_error(jnp.asarray(x), jnp.asarray(g))
@@ -292,3 +304,67 @@ def test_no_norm_falls_below_its_reference(seed: int, exponents: list[float], re
     u = float(jnp.finfo(jnp.float32).eps) / 2
     slack = _ghost.GRAM_TOLERANCE[32] * want + t * u * rows
     assert np.all(np.asarray(aux.metrics, np.float64) >= want - slack)
+
+
+def _dense_norms(x: np.ndarray, v: np.ndarray, method: str = "ghost") -> tuple[Any, Any, Any]:
+    """``micro_grad``'s norms of ``sum((x @ w) * v)`` per example (rows ``(B, T, k)``),
+    its report's form, and the float64 norms of the same inputs' gradients."""
+    w = jnp.zeros((x.shape[-1], v.shape[-1]), jnp.float32)
+    fn = micro_grad(
+        _property_loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        metrics_fn=microbatching.l2_norm,
+        l2_clip_norm=1.0,
+        clip_method=method,
+    )
+    (form,) = [leaf.form for leaf in microbatching.clipping_report(fn, w, x, v).leaves]
+    _, aux = jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(v))
+    want = np.linalg.norm(np.einsum("btk,btn->bkn", x.astype(np.float64), v), axis=(1, 2))
+    return np.asarray(aux.metrics, np.float64), form, want
+
+
+@pytest.mark.parametrize("big", [1e10, 1e20, 1e30])
+@pytest.mark.parametrize("tokens", [4, 16], ids=["gram", "product"])
+def test_a_row_of_large_input_and_zero_cotangent_sets_no_scale(big: float, tokens: int):
+    """One token with a huge input and a zero cotangent, another with the reverse: they
+    add nothing to the gradient, and must not scale the other rows' terms into underflow
+    (the norms came out 0, so the examples were not clipped)."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, tokens, 8)).astype(np.float32)
+    v = rng.normal(size=(2, tokens, 8)).astype(np.float32)
+    x[:, 0], v[:, 0] = big, 0.0
+    x[:, 1], v[:, 1] = 0.0, big
+    got, form, want = _dense_norms(x, v)
+    assert form == ("gram" if tokens == 4 else "product")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("sizes", [(2e-38, 1.5e38), (1.5e38, 2e-38)], ids=["tiny_x", "huge_x"])
+def test_rows_at_the_ends_of_float32_keep_their_norm(sizes: tuple[float, float]):
+    """Inputs near float32's smallest normal (2e-38: a subnormal input is flushed to 0
+    before any form sees it) with cotangents near its largest, and the
+    reverse: the product is moderate, and so is its norm (neither 0 nor inf)."""
+    rng = np.random.default_rng(7)
+    x = (rng.uniform(1, 2, size=(2, 2, 4)) * sizes[0]).astype(np.float32)
+    v = (rng.uniform(1, 2, size=(2, 2, 4)) * sizes[1]).astype(np.float32)
+    got, form, want = _dense_norms(x, v)
+    assert form == "gram"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+def test_long_rows_of_one_dominant_entry_keep_their_norm():
+    """Rows ``[1, t, t, ...]`` and ``[1, 0, ...]`` of 2048 entries, ``t^2`` about ``u``:
+    one dot product over the row lost the small squares (1.3e-4 relative); the Gram
+    matrices are taken in blocks (``GRAM_BLOCK``)."""
+    rng = np.random.default_rng(8)
+    x = np.zeros((3, 2, 2048), np.float32)
+    x[:, 0, :], x[:, :, 0] = 2.4e-4, 1.0
+    u = rng.normal(size=(3, 4))
+    u *= np.array([0.5, 1.0, 1.5])[:, None] / np.linalg.norm(u, axis=1, keepdims=True)
+    d = rng.normal(size=(3, 4))
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    v = np.stack([u, -u + d], axis=1).astype(np.float32)
+    got, form, want = _dense_norms(x, v)
+    assert form == "gram"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)

@@ -428,7 +428,8 @@ def _product_cost(h: int, t: int, k: int, n: int) -> tuple[str, int, int, int]:
     if t == 1:
         return "rows", h * (k + n), rows, product
     if t * t * (k + n) <= t * k * n:
-        return "gram", h * t * t * (k + n), rows + 2 * h * t * t, product
+        blocks = sum(-(-d // GRAM_BLOCK) for d in (k, n) if d > GRAM_BLOCK)  # gram_matrices
+        return "gram", h * t * t * (k + n), rows + (2 + blocks) * h * t * t, product
     return "product", h * t * k * n, product, product
 
 
@@ -656,8 +657,17 @@ GRAM_ERROR_MARGIN = 8.0
 """The factor of safety on the Gram form's error estimate ``u * E`` (see
 ``_reliable``). The estimate models each rounded inner product as off by ``u`` times
 the product of its operands' norms, and the sum of the Gram terms as off by ``u`` times
-the sum of their magnitudes; the error measured on random, same-sign and cancelling
-rows (2 to 512 rows of 4 to 512 entries, XLA:CPU) was at most 4.3 times it."""
+the sum of their magnitudes. The error measured against it (XLA:CPU; 2 to 512 rows of 4
+to 65536 entries: random, same-sign, repeated with cancelling cotangents, and rows of
+one dominant entry and many small ones) was at most 4.3 times it for rows of up to
+``GRAM_BLOCK`` entries, and 6.6 for longer ones, whose inner products are counted twice
+(``BLOCKED_ERROR``). ``tests/test_norm_numerics.py`` pins both. On random rows of 64
+tokens of width 128 the estimate is about 15 times the squared norm, so the Gram form
+is kept there."""
+
+BLOCKED_ERROR = 2.0
+"""How many times ``u ||a_t|| ||a_s||`` an inner product of more than ``GRAM_BLOCK``
+entries is counted as erring by: its blocks' errors, and their sum's."""
 
 
 def _reliable(gram: jax.Array, error: jax.Array) -> jax.Array:
@@ -671,19 +681,54 @@ def _reliable(gram: jax.Array, error: jax.Array) -> jax.Array:
     return (bound <= 2 * tolerance * gram) | (error == 0) | ~jnp.isfinite(gram + error)
 
 
-def _gram_error(xx: jax.Array, gg: jax.Array, exact: bool = False) -> jax.Array:
-    """``E`` for ``sum(xx * gg)``, Gram matrices of rows ``a_t`` and ``g_t`` (over their
-    leading axes, ``(..., T, T)``): each inner product ``a_t.a_s`` rounds to within about
-    ``u ||a_t|| ||a_s||`` whatever its size, so a term errs by ``u (||a_t|| ||a_s|| |g_t.g_s|
-    + |a_t.a_s| ||g_t|| ||g_s||)``, and their sum by ``u sum |xx * gg|`` more. Where rows
-    repeat and cotangents cancel, ``E`` is as large as ``(sum_t ||a_t|| ||g_t||)^2`` while
-    the sum (the squared norm) is small: the squared condition number of the form.
-    ``exact``: ``xx`` has no rounding error (the equal-ids matrix of an embedding)."""
+GRAM_BLOCK = 128
+"""The longest inner product a Gram matrix takes in one piece. XLA:CPU's dot accumulates
+a long row's products one after another, and a row with one dominant entry then loses
+the small squares (each below half an ulp of the running sum): an error that grows
+with the length, 133 ``u ||a||^2`` at 2048 entries, where 128 entries err by at most
+3.1 ``u ||a||^2`` (measured). Longer rows are cut into blocks of this length, whose Gram
+matrices are added by a reduction: 6.6 ``u ||a||^2`` at 2048 entries, 2 at 65536."""
+
+
+def inner_error(length: int) -> float:
+    """How many times ``u ||a|| ||b||`` an inner product of ``length`` entries, as
+    ``gram_matrices`` takes it, is counted as erring by."""
+    return BLOCKED_ERROR if length > GRAM_BLOCK else 1.0
+
+
+def gram_matrices(rows: jax.Array) -> jax.Array:
+    """``(H, T, T)`` Gram matrices of rows ``(H, T, k)``, in blocks of ``GRAM_BLOCK``
+    entries (see there): each inner product then errs by about ``u`` times the product
+    of its rows' norms, whatever ``k``."""
+    h, t, k = rows.shape
+    if k <= GRAM_BLOCK:
+        return jnp.einsum("htk,hsk->hts", rows, rows, precision=HIGHEST)
+    blocks = -(-k // GRAM_BLOCK)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, blocks * GRAM_BLOCK - k)))
+    rows = rows.reshape(h, t, blocks, GRAM_BLOCK)
+    parts = jnp.einsum("htjb,hsjb->jhts", rows, rows, precision=HIGHEST)
+    # The barrier keeps XLA from folding the sum of the blocks back into the product
+    # (a reduction over a dot's batch dimension becomes a contraction).
+    return jnp.sum(jax.lax.optimization_barrier(parts), axis=0)
+
+
+def _gram_error(
+    xx: jax.Array, gg: jax.Array, k: float = 1.0, n: float = 1.0, exact: bool = False
+) -> jax.Array:
+    """``E`` for ``sum(xx * gg)``, Gram matrices (``gram_matrices``) of rows ``a_t`` and ``g_t``,
+    over their leading axes ``(..., T, T)``: each inner product ``a_t.a_s`` rounds to
+    within about ``u ||a_t|| ||a_s||`` whatever its size, so a term errs by ``u (||a_t||
+    ||a_s|| |g_t.g_s| + |a_t.a_s| ||g_t|| ||g_s||)``, and their sum by ``u sum |xx * gg|``
+    more. Where rows repeat and cotangents cancel, ``E`` is as large as ``(sum_t ||a_t||
+    ||g_t||)^2`` while the sum (the squared norm) is small: the squared condition number
+    of the form. ``k`` and ``n``: how many times that the inner products of ``xx`` and
+    ``gg`` are counted as erring by (``inner_error``). ``exact``: ``xx`` has no rounding
+    error (the equal-ids matrix of an embedding)."""
     g = jnp.sqrt(jnp.diagonal(gg, axis1=-2, axis2=-1))
-    error = jnp.abs(xx) * (g[..., :, None] * g[..., None, :]) + jnp.abs(xx * gg)
+    error = n * jnp.abs(xx) * (g[..., :, None] * g[..., None, :]) + jnp.abs(xx * gg)
     if not exact:
         a = jnp.sqrt(jnp.diagonal(xx, axis1=-2, axis2=-1))
-        error = error + a[..., :, None] * a[..., None, :] * jnp.abs(gg)
+        error = error + k * a[..., :, None] * a[..., None, :] * jnp.abs(gg)
     return jnp.sum(error)
 
 
@@ -833,33 +878,90 @@ def _scaled_products(
     return pull(cotangents)[0]
 
 
+def _exponent(m: jax.Array) -> jax.Array:
+    """The integer ``e`` with ``2**(e - 1) <= m < 2**e``, for ``m`` positive and finite
+    (``m`` subnormal counts as ``2**-126``, float32's smallest normal)."""
+    info = jnp.finfo(m.dtype)
+    ints = jnp.int32 if info.bits == 32 else jnp.int64
+    field = jax.lax.bitcast_convert_type(m, ints) >> info.nmant
+    return jnp.maximum(field, 1) - (info.maxexp - 1) + 1
+
+
+def _times_power(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``x * 2**k``, exactly (unless the result overflows or is subnormal): applied in three
+    parts, so that no power is subnormal (flushed to 0 on the CPU) or infinite."""
+    info = jnp.finfo(x.dtype)
+
+    def power(j: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type((j + info.maxexp - 1) << info.nmant, x.dtype)
+
+    k = jnp.clip(k, -378, 378)  # three powers of at most 2**126: beyond, it under- or
+    third = k // 3  # overflows anyway
+    half = (k - third) // 2
+    return x * power(third) * power(half) * power(k - third - half)
+
+
+def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
+    """Rows ``xs[h, t]`` and ``gs[h, t]`` (at least float32) scaled by powers of two, one
+    pair per row, and the factors that undo it, for ``_from_gram``.
+
+    Each row pair is first rescaled by ``2**-k`` and ``2**k`` so that their largest
+    magnitudes meet halfway: every product ``x_t (outer) g_t``, so every Gram term and the
+    norm, is unchanged (exactly: powers of two), but one row's large input with a small
+    cotangent no longer sets the scale of the others (whose squared terms would then
+    underflow to 0). Then all rows of each side are scaled so that the largest magnitude
+    is in ``[1/2, 1)`` (``_scaled``'s reason); both in one multiplication per entry. A row
+    with a zero factor and a finite other contributes nothing, and is zeroed. Where an
+    entry is not finite, the rows are left as they are and the first factor returned is
+    that magnitude (``inf`` or NaN)."""
+    mx = jnp.max(jnp.abs(xs), axis=-1, initial=0.0)
+    mg = jnp.max(jnp.abs(gs), axis=-1, initial=0.0)
+    finite = jnp.isfinite(mx) & jnp.isfinite(mg)
+    both = finite & (mx > 0) & (mg > 0)
+    ex = _exponent(jnp.where(both, mx, 1))
+    eg = _exponent(jnp.where(both, mg, 1))
+    k = jnp.where(both, (ex - eg) // 2, 0)
+    lowest = jnp.iinfo(ex.dtype).min
+    top_x = jnp.max(jnp.where(both, ex - k, lowest), initial=lowest)
+    top_g = jnp.max(jnp.where(both, eg + k, lowest), initial=lowest)
+    any_row = jnp.any(both)
+    top_x, top_g = jnp.where(any_row, top_x, 0), jnp.where(any_row, top_g, 0)
+    usable = jnp.all(finite)
+    keep = (both | ~finite) & usable
+    shift_x = jnp.where(usable, -k - top_x, 0)[..., None]
+    shift_g = jnp.where(usable, k - top_g, 0)[..., None]
+    xs = jnp.where(keep[..., None] | ~usable, _times_power(xs, shift_x), 0)
+    gs = jnp.where(keep[..., None] | ~usable, _times_power(gs, shift_g), 0)
+    one = jnp.ones((), xs.dtype)
+    bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
+    scales = (
+        jnp.where(usable, _times_power(one, top_x // 2), bad),
+        _times_power(one, top_g // 2),
+        _times_power(one, top_x - top_x // 2),
+        _times_power(one, top_g - top_g // 2),
+    )
+    return xs, gs, scales
+
+
 def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``x`` times a power of two that brings its largest magnitude ``m`` into
     ``[1/2, 1)``, in at least float32, and the two powers of two whose product undoes it.
 
     Multiplying by a power of two is exact, so the product form of a norm errs only by
     the rounding of its own products, as the gradient does: a scale by ``m`` itself would
-    round every entry, an error as large as the largest row where rows cancel. Each
-    power is applied in two halves, so that neither is subnormal (flushed to 0 on the
-    CPU) for any finite ``m``. Where ``m`` is 0 or not finite ``x`` is left as it is,
-    and the scale returned is ``m`` (0, ``inf`` or NaN) and 1.
+    round every entry, an error as large as the largest row where rows cancel. Where
+    ``m`` is 0 or not finite ``x`` is left as it is, and the scale returned is ``m`` (0,
+    ``inf`` or NaN) and 1.
     """
     wide = jnp.promote_types(jnp.result_type(x), jnp.float32)
     x = x.astype(wide)
     m = jnp.max(jnp.abs(x), initial=0.0)
-    info = jnp.finfo(wide)
-    ints = jnp.int32 if info.bits == 32 else jnp.int64
-    bias = info.maxexp - 1
     usable = (m > 0) & jnp.isfinite(m)
-    field = jax.lax.bitcast_convert_type(jnp.where(usable, m, 1).astype(wide), ints)
-    exponent = jnp.maximum(field >> info.nmant, 1) - bias + 1  # m < 2**exponent
+    exponent = _exponent(jnp.where(usable, m, 1).astype(wide))
     half = exponent // 2
-
-    def power(k: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type((k + bias) << info.nmant, wide)
-
-    scaled = x * power(-half) * power(half - exponent)
-    up = power(half), power(exponent - half)
+    one = jnp.ones((), wide)
+    up = _times_power(one, half), _times_power(one, exponent - half)
+    scaled = _times_power(x, -exponent)
     return scaled, (jnp.where(usable, up[0], jnp.where(m > 0, m, 0)), jnp.where(usable, up[1], 1))
 
 
@@ -911,16 +1013,14 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
         norm = _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
         return norm, jnp.ones((), bool)
-    xs, mx = _scaled(xs)
-    gs, mg = _scaled(gs)
-    scales = (*mx, *mg)
+    xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
         squares = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
         return _from_gram(squares, *scales), jnp.ones((), bool)
-    xx = jnp.einsum("htk,hsk->hts", xs, xs, precision=HIGHEST)
-    gg = jnp.einsum("htn,hsn->hts", gs, gs, precision=HIGHEST)
+    xx, gg = gram_matrices(xs), gram_matrices(gs)
     total = jnp.sum(xx * gg)
-    reliable = _reliable(total, _gram_error(xx, gg))
+    lengths = inner_error(xs.shape[-1]), inner_error(gs.shape[-1])
+    reliable = _reliable(total, _gram_error(xx, gg, *lengths))
     # Where it is not reliable the caller takes the product form's norm instead; 1 keeps
     # the discarded value, and its derivative, finite.
     return _from_gram(jnp.where(reliable, total, 1), *scales), reliable
@@ -987,9 +1087,9 @@ def _embedding_norm(
         squares = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
         return _from_gram(squares, *mg), jnp.ones((), bool)
     same = (ids[:, None] == ids[None, :]).astype(gs.dtype)  # the ids' Gram matrix, exact
-    gg = jnp.einsum("td,sd->ts", gs, gs, precision=HIGHEST)
+    gg = gram_matrices(gs[None])[0]
     total = jnp.sum(same * gg)
-    reliable = _reliable(total, _gram_error(same, gg, exact=True))
+    reliable = _reliable(total, _gram_error(same, gg, n=inner_error(width), exact=True))
     return _from_gram(jnp.where(reliable, total, 1), *mg), reliable
 
 
