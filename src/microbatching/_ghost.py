@@ -927,11 +927,11 @@ def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple
     any_row = jnp.any(both)
     top_x, top_g = jnp.where(any_row, top_x, 0), jnp.where(any_row, top_g, 0)
     usable = jnp.all(finite)
-    keep = (both | ~finite) & usable
+    kept = (both | ~usable)[..., None]
     shift_x = jnp.where(usable, -k - top_x, 0)[..., None]
     shift_g = jnp.where(usable, k - top_g, 0)[..., None]
-    xs = jnp.where(keep[..., None] | ~usable, _times_power(xs, shift_x), 0)
-    gs = jnp.where(keep[..., None] | ~usable, _times_power(gs, shift_g), 0)
+    xs = jnp.where(kept, _times_power(xs, shift_x), 0)
+    gs = jnp.where(kept, _times_power(gs, shift_g), 0)
     one = jnp.ones((), xs.dtype)
     bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
     scales = (
