@@ -92,6 +92,7 @@ def test_signatures_follow_the_spec():
         "batch_mesh_axes",
         "gather_params",  # issue 15
         "reduce_gradients",
+        "param_specs",  # issue 23
         "progress",
         "allow_remainder",
     ]

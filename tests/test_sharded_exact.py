@@ -483,3 +483,80 @@ def test_a_whole_shard_of_nan_padding_reaches_no_outer_derivative(axis_type, met
             lambda p, v, w: (grad_fn(p, v, example_weights=w)[0], jax.grad(outer)(p, grad_fn, v, w))
         )(p, vs, ws)
     assert_close(got, want, dtype=np.float32, terms=BATCH)
+
+
+def _fsdp_step(axis_type: AxisType, **options: Any) -> tuple[Any, Any, str, int]:
+    """``micro_grad`` of the embedding model with FSDP parameters under ``jit`` with
+    in and out shardings: its gradients, the reference sum, its HLO and its temp bytes."""
+    params, tokens, targets = _embedding_problem()
+    want = {k: np.sum(g, axis=0) for k, g in _per_example_grads(params, tokens, targets).items()}
+    grad_fn = micro_grad(
+        _embedding_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=8,
+        **options,
+        **_mesh_options(axis_type),
+    )
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        p = _put(mesh, params, FSDP)
+        t, y = _put(mesh, (tokens, targets), P("data"))
+        fsdp = jax.tree.map(lambda _: NamedSharding(mesh, FSDP), params)
+        step = jax.jit(lambda p, t, y: grad_fn(p, t, y)[0], out_shardings=fsdp)
+        compiled = step.lower(p, t, y).compile()
+        got = step(p, t, y)
+    analysis, hlo = compiled.memory_analysis(), compiled.as_text()
+    assert analysis is not None and hlo is not None
+    return got, want, hlo, analysis.temp_size_in_bytes
+
+
+def test_param_specs_give_an_auto_mesh_the_explicit_layout():
+    """Inside ``jit`` on an Auto mesh the parameters' layout cannot be read: with
+    ``param_specs`` the gradients are reduce-scattered per microbatch into a sum sharded
+    like them, as on an Explicit mesh (the same program's collectives), and exact."""
+    got, want, hlo, temp = _fsdp_step(AxisType.Auto, param_specs=FSDP)
+    _, _, unseen, unseen_temp = _fsdp_step(AxisType.Auto)
+    _, _, explicit, _ = _fsdp_step(AxisType.Explicit)
+    assert_close(got, want, dtype=np.float32, terms=BATCH)
+    assert "reduce-scatter" in hlo and "reduce-scatter" in explicit
+    assert "reduce-scatter" not in unseen
+    assert temp <= unseen_temp
+
+
+def test_large_parameters_of_an_unseen_layout_get_a_warning_naming_param_specs():
+    """8 MiB of parameters inside ``jit`` on an Auto mesh: a warning says that they enter
+    the loop whole and names ``param_specs``; stating them silences it."""
+    mesh = _mesh(AxisType.Auto)
+
+    def loss(w, x):
+        return jnp.sum(x @ w)
+
+    w = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
+    x = jax.ShapeDtypeStruct((BATCH, 1024), jnp.float32)
+    options: dict[str, Any] = {"microbatch_size": 8, "batch_mesh_axes": "data"}
+    with jax.set_mesh(mesh):
+        with pytest.warns(UserWarning, match=r"\(8 MiB\) are laid out.*param_specs=\.\.\."):
+            jax.jit(micro_grad(loss, keep_batch_dim=False, **options)).lower(w, x)
+        quiet = micro_grad(loss, keep_batch_dim=False, param_specs=P(), **options)
+        jax.jit(quiet).lower(w, x)  # filterwarnings = error: no warning
+
+
+def test_param_specs_that_are_not_partition_specs_are_refused():
+    with pytest.raises(TypeError, match=r"param_specs=\('data', None\), whose leaves must be "):
+        micro_grad(_embedding_loss, param_specs=("data", None))
+
+
+def test_param_specs_that_are_not_a_prefix_of_the_arguments_are_refused():
+    params, tokens, targets = _embedding_problem()
+    grad_fn = micro_grad(
+        _embedding_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=8,
+        param_specs={"emb": FSDP, "other": FSDP},
+        batch_mesh_axes="data",
+    )
+    mesh = _mesh(AxisType.Auto)
+    with jax.set_mesh(mesh):
+        t, y = _put(mesh, (tokens, targets), P("data"))
+        with pytest.raises(ValueError, match=r"must be a PartitionSpec or a pytree of them"):
+            jax.jit(grad_fn)(params, t, y)

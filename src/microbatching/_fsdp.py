@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import _layout, _sharding
 from ._accumulators import AccumulationType
 from ._typing import PyTree
+
+
+class UnseenLayoutWarning(UserWarning):
+    """Large differentiated arguments whose layout ``micro_grad`` cannot read."""
+
 
 GATHER = ("once", "per_microbatch")
 REDUCE = ("per_microbatch", "after_loop")
@@ -151,27 +158,62 @@ def spec_of(leaf: Any) -> PartitionSpec | None:
     return None
 
 
+UNSEEN_LAYOUT_BYTES = 8 * 2**20
+"""Differentiated arguments this large whose layout cannot be read (inside ``jit`` on an
+Auto mesh) get a warning naming ``param_specs``: they enter the loop whole on every
+device, which for FSDP parameters costs more memory than the whole batch's gradient."""
+
+
+def given_specs(specs: Any, differentiated: Any) -> list[PartitionSpec | None] | None:
+    """``param_specs`` (a prefix tree of partition specs, or None) for each leaf of the
+    differentiated arguments, or None where the user gave none."""
+    if specs is None:
+        return None
+    try:
+        spread = jax.tree.broadcast(specs, differentiated, is_leaf=_is_spec)
+    except ValueError as error:
+        raise ValueError(
+            f"micro_grad was given param_specs={specs!r}, which must be a PartitionSpec or "
+            "a pytree of them that is a prefix of the differentiated arguments "
+            f"{jax.tree.structure(differentiated)} ({error}); pass one spec per leaf or "
+            "subtree, or one PartitionSpec for all of them."
+        ) from None
+    return jax.tree.leaves(spread, is_leaf=_is_spec)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
 def layout(
     batch_leaf: Any,
     differentiated: list[Any],
     mesh_axes: tuple[str, ...] | None,
     trade: Trade,
+    given: list[PartitionSpec | None] | None = None,
 ) -> Layout | None:
     """The call's layout when the batch is sharded and a differentiated leaf is sharded
     over the batch's axes, or its layout cannot be read (inside ``jit`` on an Auto mesh).
     None otherwise: the loop runs on the global arrays, as for replicated parameters.
 
-    ``Layout.per_shard`` says whether the loop can run per shard; where it cannot (a
-    dimension split over the batch's axes and others together, or, on an Explicit mesh,
-    a leaf split over both), the parameters are gathered once (``gathered_once``).
+    ``given``: the user's partition spec of each differentiated leaf (``param_specs``),
+    for the leaves whose layout cannot be read. ``Layout.per_shard`` says whether the
+    loop can run per shard; where it cannot (a dimension split over the batch's axes and
+    others together, or, on an Explicit mesh, a leaf split over both), the parameters are
+    gathered once (``gathered_once``).
     """
     where = _layout.shards(batch_leaf, 0, mesh_axes)
     if where is None:
         return None
     axes = _names(where.entry)
     homes, sharded, unknown, per_shard = [], False, False, True
-    for leaf in differentiated:
+    unseen = 0
+    for i, leaf in enumerate(differentiated):
         spec = spec_of(leaf)
+        if spec is None and given is not None:
+            spec = given[i]
+        if spec is None:
+            unseen += math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
         unknown = unknown or spec is None
         full = [] if spec is None else list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
         home, others = [], False
@@ -187,6 +229,18 @@ def layout(
         per_shard = per_shard and not (mine_any and others and where.explicit)
         sharded = sharded or mine_any
         homes.append(tuple(home))
+    if unknown and not where.explicit and unseen >= UNSEEN_LAYOUT_BYTES:
+        warnings.warn(
+            f"micro_grad cannot see how its differentiated arguments ({unseen / 2**20:.0f} "
+            "MiB) are laid out: inside jax.jit on an Auto mesh JAX does not show it. They "
+            "enter the loop whole on every device, and their gradients are all-reduced "
+            "after it. If they are sharded over the batch's mesh axes (FSDP), pass "
+            "micro_grad(..., param_specs=...) with their PartitionSpecs, so that each "
+            "microbatch's gradient is reduce-scattered into a sum sharded like them; if "
+            "they are replicated, pass param_specs=jax.sharding.PartitionSpec().",
+            UnseenLayoutWarning,
+            stacklevel=2,
+        )
     if not (sharded or (unknown and not where.explicit)):
         return None
     reduce = trade.reduce or ("per_microbatch" if sharded else "after_loop")

@@ -48,6 +48,7 @@ def micro_grad(
     batch_mesh_axes: str | tuple[str, ...] | None = None,
     gather_params: str = "once",
     reduce_gradients: str | None = None,
+    param_specs: Any = None,
     progress: bool = False,
     allow_remainder: bool = False,
 ) -> Callable[..., tuple[PyTree, Aux]]:
@@ -123,7 +124,15 @@ def micro_grad(
         reduce-scatter per microbatch); ``"after_loop"`` keeps a full-size partial sum
         per device and reduces it once. None (default) takes ``"per_microbatch"`` for
         sharded parameters. Both apply where the layout can be read: on an Explicit
-        mesh, or for concrete arrays; see the multi-device guide.
+        mesh, for concrete arrays, or where ``param_specs`` states it; see the
+        multi-device guide.
+      param_specs: The ``jax.sharding.PartitionSpec`` of the differentiated arguments
+        (one, or a pytree of them that is a prefix of those arguments), for where their
+        layout cannot be read: inside ``jax.jit`` on an Auto mesh. With it, FSDP
+        parameters are gathered and their gradients reduce-scattered as on an Explicit
+        mesh; without it they enter the loop whole on every device (and arguments of
+        8 MiB or more get a ``UserWarning`` naming this option). A layout that
+        can be read takes precedence.
       progress: See ``microbatch``.
       allow_remainder: See ``micro_vmap``.
 
@@ -190,6 +199,17 @@ def micro_grad(
         if reduce_gradients is None
         else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
     )
+    if param_specs is not None and not all(
+        isinstance(s, jax.sharding.PartitionSpec)
+        for s in jax.tree.leaves(
+            param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+    ):
+        raise TypeError(
+            f"micro_grad was given param_specs={param_specs!r}, whose leaves must be "
+            "jax.sharding.PartitionSpec; pass PartitionSpec('data', None) and the like, "
+            "one for all the differentiated arguments or a pytree of them."
+        )
     method = _checks.ensure_choice("clip_method", clip_method, _per_example.METHODS)
     if method in ("two_pass", "chunked") and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
         raise ValueError(
@@ -322,7 +342,11 @@ def micro_grad(
         differentiated = jax.tree.leaves([positional[i] for i in nums if i < len(positional)])
         layout = None
         if first is not None and not batched_grad:  # else the loop says what is missing
-            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade)
+            grads_like = tuple(positional[i] for i in nums if i < len(positional))
+            if isinstance(example.argnums, int):
+                grads_like = grads_like[0] if grads_like else ()
+            given = _fsdp.given_specs(param_specs, grads_like)
+            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade, given)
         if layout is not None and per_shard and _runs_per_shard(layout, settings):
             explicit = _sharding.explicit_sharding(first) is not None
             if not (explicit and _closes_over_traced_values(positional, named)):
