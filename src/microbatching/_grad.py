@@ -23,7 +23,7 @@ from . import (
 from ._accumulators import AccumulationType
 from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
-from ._typing import AccumulatorTree, Count, P, PyTree
+from ._typing import AccumulatorTree, ClipMethod, Count, GatherParams, P, PyTree, ReduceGradients
 from ._wrap import Settings, wraps
 
 
@@ -43,11 +43,11 @@ def micro_grad(
     rescale_to_unit_norm: bool = False,
     normalize_by: float = 1.0,
     nan_safe: bool = False,
-    clip_method: str = "auto",
+    clip_method: ClipMethod = "auto",
     accumulation_dtype: Any = None,
     batch_mesh_axes: str | tuple[str, ...] | None = None,
-    gather_params: str = "once",
-    reduce_gradients: str | None = None,
+    gather_params: GatherParams = "once",
+    reduce_gradients: ReduceGradients | None = None,
     param_specs: Any = None,
     progress: bool = False,
     allow_remainder: bool = False,

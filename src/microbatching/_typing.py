@@ -1,7 +1,7 @@
 """Type aliases shared by the package."""
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeAlias, Union
 
 import jax
 import numpy as np
@@ -26,6 +26,13 @@ AxisSpec: TypeAlias = int | PyTree | None
 InAxes: TypeAlias = int | np.integer | Sequence[AxisSpec]
 Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
+
+ClipMethod: TypeAlias = Literal["auto", "ghost", "two_pass", "chunked", "materialize"]
+"""``micro_grad``'s ``clip_method``."""
+GatherParams: TypeAlias = Literal["once", "per_microbatch"]
+"""``micro_grad``'s ``gather_params``."""
+ReduceGradients: TypeAlias = Literal["per_microbatch", "after_loop"]
+"""``micro_grad``'s ``reduce_gradients`` (or None, its default)."""
 
 
 class _KindLike(Protocol):
