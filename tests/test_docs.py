@@ -72,7 +72,7 @@ def test_copy_button_copies_the_code_of_every_doctest_block():
         input=json.dumps(blocks),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=1200,
         check=True,
     )
     copied = json.loads(done.stdout)

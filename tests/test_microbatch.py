@@ -35,7 +35,7 @@ REDUCTIONS = {SUM: _row_sum, MEAN: _row_mean, RUNNING_MEAN: _row_mean, CONCAT: _
 
 
 @pytest.mark.x64
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(data=st.data(), case=batches())
 def test_every_accumulator_matches_the_whole_batch(data, case):
     x, axis = case

@@ -37,7 +37,7 @@ def _microbatch_fun(kind):
     return lambda x, scale: {"y": reduce(rows(x) * scale), "s": reduce(jnp.sum(x, -1) * scale)}
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     size=st.integers(1, 23),
     microbatch_size=st.integers(1, 9),
@@ -61,7 +61,7 @@ def test_microbatch_with_a_remainder_on_a_later_axis(size, microbatch_size, kind
     assert_close(got, jax.jit(fun)(W, x), terms=terms(size, microbatch_size))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     size=st.integers(0, 23),
     microbatch_size=st.integers(1, 9),
@@ -89,7 +89,7 @@ def test_micro_vmap_with_a_remainder_and_weights_equals_jax_vmap(
     assert_close(got, reference(x, weights), terms=terms(size, microbatch_size))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     size=st.integers(1, 17),
     microbatch_size=st.integers(1, 6),

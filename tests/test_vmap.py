@@ -33,7 +33,7 @@ def _per_example(x, w):
 
 
 @pytest.mark.x64
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(data=st.data(), case=batches())
 def test_matches_jax_vmap_for_every_accumulator(data, case):
     x, axis = case

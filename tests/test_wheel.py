@@ -124,7 +124,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(given).resolve(strict=True)
     out = tmp_path_factory.mktemp("dist")
     build = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", out, ROOT]
-    _run(build, cwd=ROOT, timeout=120)
+    _run(build, cwd=ROOT, timeout=1200)
     (path,) = out.glob("microbatching-*.whl")
     return path
 
@@ -163,7 +163,7 @@ def test_wheel_contents_and_metadata(wheel: Path):
 
 def test_wheel_in_fresh_environment(wheel: Path, tmp_path: Path):
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path, timeout=120)
+    _run([sys.executable, "-m", "venv", venv], cwd=tmp_path, timeout=1200)
     python = venv / "bin" / "python"
     env = {
         key: value
@@ -172,17 +172,17 @@ def test_wheel_in_fresh_environment(wheel: Path, tmp_path: Path):
     }
     env |= {"PYTHONNOUSERSITE": "1", "PATH": f"{venv / 'bin'}{os.pathsep}{env['PATH']}"}
     pip = [python, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-    _run([*pip, wheel], cwd=tmp_path, timeout=600, env=env)
+    _run([*pip, wheel], cwd=tmp_path, timeout=1800, env=env)
     site_packages = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
     site_packages /= "site-packages"
 
     version = [python, "-c", "import microbatching; print(microbatching.__version__)"]
-    assert _run(version, cwd=tmp_path, timeout=120, env=env).strip() == PYPROJECT["version"]
+    assert _run(version, cwd=tmp_path, timeout=1200, env=env).strip() == PYPROJECT["version"]
 
     quickstart = tmp_path / "quickstart.txt"
     quickstart.write_text(readme_quickstart((ROOT / "README.md").read_text()))
     runner = [python, "-c", QUICKSTART_RUNNER, quickstart]
-    out = _run(runner, cwd=tmp_path, timeout=300, env=env)
+    out = _run(runner, cwd=tmp_path, timeout=1800, env=env)
     ran = json.loads(out.splitlines()[-1])
     assert ran["failed"] == 0 and ran["attempted"] > 0, out
     assert Path(ran["file"]) == site_packages / "microbatching" / "__init__.py"
@@ -198,7 +198,7 @@ def _check_typed(python: Path, site_packages: Path, tmp_path: Path, env: dict[st
     (user / "pyrightconfig.json").write_text(json.dumps(PYRIGHT_CONFIG))
     (user / "user.py").write_text(USER_FILE)
     pyright = [DEV_BIN / "pyright", "--outputjson", "--pythonpath", python, "user.py"]
-    diagnostics = json.loads(_run(pyright, cwd=user, timeout=180, env=env, check=False))[
+    diagnostics = json.loads(_run(pyright, cwd=user, timeout=1200, env=env, check=False))[
         "generalDiagnostics"
     ]
     revealed = [d["message"] for d in diagnostics if d["message"].startswith("Type of")]
@@ -217,7 +217,7 @@ def _check_typed(python: Path, site_packages: Path, tmp_path: Path, env: dict[st
         "microbatching",
         "--ignoreexternal",
     ]
-    report = json.loads(_run(verify, cwd=user, timeout=180, env=env, check=False))
+    report = json.loads(_run(verify, cwd=user, timeout=1200, env=env, check=False))
     completeness = report["typeCompleteness"]
     assert Path(completeness["pyTypedPath"]) == site_packages / "microbatching" / "py.typed"
     assert completeness["completenessScore"] == 1, completeness["symbols"]
