@@ -62,10 +62,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=1200)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout=10)
+            proc.wait(timeout=1200)
 
 
 def _run_workers(tmp_path: pathlib.Path, axis_type: str) -> list[dict[str, Any]]:
