@@ -241,7 +241,15 @@ def _gram_and_error(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(xx * gg), _ghost._gram_error(xx, gg, *lengths)
 
 
-SHAPES = [(2, 128, 4), (2, 512, 4), (16, 64, 128), (32, 512, 512), (64, 128, 128), (2, 2048, 4)]
+SHAPES = [
+    (2, 128, 4),
+    (2, 288, 4),
+    (2, 512, 4),
+    (16, 64, 128),
+    (32, 512, 512),
+    (64, 128, 128),
+    (2, 2048, 4),
+]
 """Rows up to 2048 entries, where one dot product of the row's length stagnated most."""
 
 

@@ -704,8 +704,9 @@ def gram_matrices(rows: jax.Array) -> jax.Array:
     if k <= GRAM_BLOCK:
         return jnp.einsum("htk,hsk->hts", rows, rows, precision=HIGHEST)
     blocks = -(-k // GRAM_BLOCK)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, blocks * GRAM_BLOCK - k)))
-    rows = rows.reshape(h, t, blocks, GRAM_BLOCK)
+    size = -(-k // blocks)  # as even as the blocks can be: little padding
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, blocks * size - k)))
+    rows = rows.reshape(h, t, blocks, size)
     parts = jnp.einsum("htjb,hsjb->jhts", rows, rows, precision=HIGHEST)
     # The barrier keeps XLA from folding the sum of the blocks back into the product
     # (a reduction over a dot's batch dimension becomes a contraction).
