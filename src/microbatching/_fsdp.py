@@ -164,6 +164,18 @@ Auto mesh) get a warning naming ``param_specs``: they enter the loop whole on ev
 device, which for FSDP parameters costs more memory than the whole batch's gradient."""
 
 
+def ensure_specs(specs: Any) -> Any:
+    """``param_specs`` as given, once it is None or a pytree whose leaves are all
+    ``PartitionSpec`` (checked when ``micro_grad`` wraps the function)."""
+    if specs is not None and not all(_is_spec(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)):
+        raise TypeError(
+            f"micro_grad was given param_specs={specs!r}, whose leaves must be "
+            "jax.sharding.PartitionSpec; pass PartitionSpec('data', None) and the like, "
+            "one for all the differentiated arguments or a pytree of them."
+        )
+    return specs
+
+
 def given_specs(specs: Any, differentiated: Any) -> list[PartitionSpec | None] | None:
     """``param_specs`` (a prefix tree of partition specs, or None) for each leaf of the
     differentiated arguments, or None where the user gave none."""

@@ -128,8 +128,9 @@ class Rule:
       primitives: Their primitives, for reading.
       flops: The per-example flops of its norm.
       bytes: The per-example bytes of its norm's intermediates.
-      form: How a ``dense``, ``conv`` or ``embedding`` rule evaluates the norm: one of
-        ``FORMS``.
+      form: How a ``dense``, ``conv`` or ``embedding`` rule evaluates the norm:
+        ``gram`` (checked per example, ``_reliable``), ``product`` or ``rows`` (one row
+        per example); empty for the other rules.
       product_bytes: The per-example bytes of the product form, which a ``gram`` form
         falls back to for the examples whose error bound it cannot meet.
     """
@@ -139,7 +140,7 @@ class Rule:
     primitives: tuple[str, ...]
     flops: int
     bytes: int = 0  # per example, of the intermediates of its norm
-    form: str = ""  # of a Gram rule: "gram", "product" or "rows" (see ``FORMS``)
+    form: str = ""  # of a Gram rule: "gram", "product" or "rows"
     product_bytes: int = 0  # per example, of the product form (a Gram form's fallback)
 
 
@@ -967,9 +968,10 @@ def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
 
 
 def _from_gram(gram: jax.Array, *scales: jax.Array) -> jax.Array:
-    """The norm from a squared norm of rows scaled down by ``_scaled``, and the factors
-    that undo it; ``inf`` or NaN where a factor (the largest magnitude itself) is. ``gram``
-    is never negative: a Gram sum that could be is recomputed (``_reliable``)."""
+    """The norm from a squared norm of rows scaled down by ``_balanced`` or ``_scaled``,
+    and the factors that undo it; ``inf`` or NaN where a factor (the largest magnitude
+    itself) is. ``gram`` is never negative: a Gram sum that could be is recomputed
+    (``_reliable``)."""
     norm = jnp.sqrt(gram)
     bad = jnp.zeros((), norm.dtype)
     for scale in scales:

@@ -199,17 +199,7 @@ def micro_grad(
         if reduce_gradients is None
         else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
     )
-    if param_specs is not None and not all(
-        isinstance(s, jax.sharding.PartitionSpec)
-        for s in jax.tree.leaves(
-            param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-        )
-    ):
-        raise TypeError(
-            f"micro_grad was given param_specs={param_specs!r}, whose leaves must be "
-            "jax.sharding.PartitionSpec; pass PartitionSpec('data', None) and the like, "
-            "one for all the differentiated arguments or a pytree of them."
-        )
+    param_specs = _fsdp.ensure_specs(param_specs)
     method = _checks.ensure_choice("clip_method", clip_method, _per_example.METHODS)
     if method in ("two_pass", "chunked") and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
         raise ValueError(
@@ -324,8 +314,7 @@ def micro_grad(
             finish,
         )
         if not is_summed:  # a transform's sums come back whole: laid out as promised
-            params = tuple(args[i] for i in nums)
-            params = params if isinstance(example.argnums, tuple) else params[0]
+            params = _differentiated(example.argnums, args)
             out = _fsdp.like_parameters(out, params, layout.grad_specs(args, example.argnums))
         return out, aux
 
@@ -342,10 +331,7 @@ def micro_grad(
         differentiated = jax.tree.leaves([positional[i] for i in nums if i < len(positional)])
         layout = None
         if first is not None and not batched_grad:  # else the loop says what is missing
-            grads_like = tuple(positional[i] for i in nums if i < len(positional))
-            if isinstance(example.argnums, int):
-                grads_like = grads_like[0] if grads_like else ()
-            given = _fsdp.given_specs(param_specs, grads_like)
+            given = _fsdp.given_specs(param_specs, _differentiated(example.argnums, positional))
             layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade, given)
         if layout is not None and per_shard and _runs_per_shard(layout, settings):
             explicit = _sharding.explicit_sharding(first) is not None
@@ -376,6 +362,14 @@ def micro_grad(
         return any(isinstance(x, Tracer) for x in [*jax.tree.leaves(bound), *closed.consts])
 
     return wraps(fun, checked, axes, settings, weights=True, describe=describe)
+
+
+def _differentiated(argnums: int | tuple[int, ...], args: tuple[Any, ...]) -> Any:
+    """The arguments ``argnums`` picks, shaped as ``jax.grad(argnums=argnums)`` shapes
+    its gradient (one argument, or a tuple); () where an int picks none."""
+    if isinstance(argnums, tuple):
+        return tuple(args[i] for i in argnums if i < len(args))
+    return args[argnums] if argnums < len(args) else ()
 
 
 def _runs_per_shard(layout: _fsdp.Layout, settings: Settings) -> bool:
