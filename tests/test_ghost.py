@@ -923,6 +923,22 @@ def test_per_layer_clip_norms_must_be_a_prefix_of_the_gradient(method):
         fn(model.params, *model.batch)
 
 
+@pytest.mark.parametrize("method", ["ghost", "two_pass"])
+def test_methods_that_never_form_the_gradients_refuse_a_gradient_metric(method):
+    # two_pass once returned metrics None here, silently: it computed no metrics at all.
+    def total(g):
+        return sum(jnp.sum(x) for x in jax.tree.leaves(g))
+
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_grad was given clip_method='{method}' and metrics_fn=<function .*total"
+        rf".*>, which needs each example's gradient; the {method} method never forms them\. "
+        r"Pass metrics_fn=microbatching\.l2_norm for the per-example norms, or "
+        r"clip_method='auto'\.",
+    ):
+        micro_grad(mlp().loss, l2_clip_norm=CLIP, clip_method=method, metrics_fn=total)
+
+
 @pytest.mark.parametrize("method", ["two_pass", "chunked"])
 def test_one_factor_methods_refuse_per_layer_clip_norms(method):
     with pytest.raises(

@@ -267,7 +267,7 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
     summed = lambda p, x, y: _mlp_loss(p, x, y) * x.shape[0]  # noqa: E731
     gradient_bytes = 4 * (64 * 256 + 256 * 16)
-    monkeypatch.setattr(per_example_room, "CHUNK_BYTES", 16 * gradient_bytes)
+    monkeypatch.setattr(per_example_room, "STATISTICS_CHUNK_BYTES", 16 * gradient_bytes)
     common = {"batch_argnums": (1, 2), "microbatch_size": 256}
     base = _temp(microbatch(jax.grad(summed), (1, 2), 256, SUM), params, x, y)
     fast = _temp(micro_grad(_mlp_loss, **common), params, x, y)

@@ -60,23 +60,19 @@ ADDITIVE = {"add", "sub", "add_any"}
 """Sites whose product with a cotangent does not read their inputs (a bias added to an
 activation): their data inputs are not kept."""
 
-NONLINEAR_IN_COTANGENT = {
-    "custom_lin",
-    "custom_vjp_call",
-    "custom_transpose_call",
-    "custom_linear_solve",
-    "custom_jvp_call",
-}
-"""Sites whose product with their cotangent may run code that the user supplies (a
-``custom_jvp`` rule may itself call a ``custom_vjp``): their scaled contributions are
-summed from the per-example products, never by scaling the cotangent."""
+USER_CODE_AT_SITE = _programs.USER_TRANSPOSES | {"custom_jvp_call"}
+"""Sites whose product with their cotangent may run code that the user supplies: the
+transposes of ``_programs.USER_TRANSPOSES``, and a ``custom_jvp`` call, whose rule may
+itself call a ``custom_vjp`` (and whose site the rules cannot see into). Their scaled
+contributions are summed from the per-example products, never by scaling the
+cotangent."""
 
 NORM_CHUNK_BYTES = 4 * 2**20
 """Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
 norms are computed a chunk of examples at a time, so that they cost no more memory than
 the activations the backward pass holds anyway."""
 
-CHUNK_BYTES = 32 * 2**20
+DIRECT_CHUNK_BYTES = 32 * 2**20
 """Bytes of per-example gradients of ``direct`` leaves formed at once."""
 
 
@@ -243,8 +239,8 @@ def _find_sites(program: Program) -> None:
         free = tuple(p for p, a in keys if not program.data[a] and program.leaves[a])
         data = tuple(p for p, a in keys if program.data[a])
         if free and data:
-            linear = e.primitive.name not in NONLINEAR_IN_COTANGENT and not any(
-                _programs.calls(inner, NONLINEAR_IN_COTANGENT) for inner in _bodies(e)
+            linear = e.primitive.name not in USER_CODE_AT_SITE and not any(
+                _programs.calls(inner, USER_CODE_AT_SITE) for inner in _bodies(e)
             )
             program.sites.append(Site(index, free, data, linear))
     _share_cotangents(program)
@@ -261,9 +257,8 @@ def _nonlinear_parameters(program: Program) -> None:
         if not all(program.free(a) for a in e.ins):
             continue
         keys = [a for a in e.ins if not isinstance(a, Const)]
-        nonlinear = e.primitive.name in NONLINEAR_IN_COTANGENT | {"reduce_precision"} or any(
-            _programs.calls(inner, NONLINEAR_IN_COTANGENT | {"reduce_precision"})
-            for inner in _bodies(e)
+        nonlinear = e.primitive.name in USER_CODE_AT_SITE | {"reduce_precision"} or any(
+            _programs.calls(inner, USER_CODE_AT_SITE | {"reduce_precision"}) for inner in _bodies(e)
         )
         if nonlinear or any(a in tainted for a in keys):
             tainted.update(e.outs)
@@ -771,7 +766,7 @@ def _chunk(program: Program, leaves: Sequence[int]) -> int:
     size = sum(
         math.prod(program.avals[leaf].shape) * program.avals[leaf].dtype.itemsize for leaf in leaves
     )
-    return max(1, CHUNK_BYTES // max(size, 1))
+    return max(1, DIRECT_CHUNK_BYTES // max(size, 1))
 
 
 def _direct_norms(

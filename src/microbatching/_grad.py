@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,10 +12,12 @@ from jax.core import Tracer
 
 from . import (
     _accumulators,
+    _batch,
     _checks,
     _clipping,
     _fsdp,
     _layout,
+    _methods,
     _per_example,
     _sharding,
     _signature,
@@ -199,169 +202,205 @@ def micro_grad(
         if reduce_gradients is None
         else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
     )
-    param_specs = _fsdp.ensure_specs(param_specs)
-    method = _checks.ensure_choice("clip_method", clip_method, _per_example.METHODS)
-    if method in ("two_pass", "chunked") and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
-        raise ValueError(
-            f"micro_grad was given clip_method={method!r}, which scales each example's "
-            "loss by one factor, and a pytree l2_clip_norm, which needs one factor per "
-            "subtree; pass clip_method='ghost', 'materialize' or 'auto'."
-        )
-    if method in ("two_pass", "chunked") and clipping and clipping.nan_safe:
-        raise ValueError(
-            f"micro_grad was given clip_method={method!r} and nan_safe=True, but "
-            f"{method!r} takes the gradient of the losses weighted by the clip factors, "
-            "and an example whose loss is not finite makes that gradient NaN even at "
-            "factor 0; pass clip_method='auto', 'ghost' or 'materialize', which drop it."
-        )
-    if method == "ghost" and metrics not in (no_metrics, _per_example.l2_norm):
-        raise ValueError(
-            f"micro_grad was given clip_method='ghost' and metrics_fn={metrics!r}, which "
-            "needs each example's gradient; the ghost method never forms them. Pass "
-            "metrics_fn=microbatching.l2_norm for the per-example norms, or "
-            "clip_method='auto'."
-        )
-    batched_grad = any(axes.spec(i) is not None for i in example.nums())
-    is_summed = transform is identity and _accumulators.is_linear(accumulators)
-    is_summed = is_summed and not batched_grad
-    wanted = clipping is not None or metrics is _per_example.l2_norm
-    if method in ("ghost", "two_pass", "chunked") and not is_summed:
-        raise ValueError(
-            f"micro_grad was given clip_method={method!r}, which sums the clipped "
-            "gradients without forming them, but transform_fn, the accumulator or a "
-            "batched argnums needs each example's gradient; pass clip_method='auto' or "
-            "'materialize', or drop transform_fn and use SUM or MEAN."
-        )
+    specs = _fsdp.ensure_specs(param_specs)
+    method = _checks.ensure_choice("clip_method", clip_method, CLIP_METHODS)
+    request = _methods.GradRequest(
+        example, clipping, transform, metrics, accumulators, method, settings, trade, specs
+    )
+    request.check()
+    calls = _Calls(request, _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums))
+    return wraps(fun, calls, axes, settings, weights=True, describe=calls.describe)
 
-    def describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ClippingReport:
-        kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
-        args, kwargs = axes.to_positions(args, kwargs)
-        dtype = settings.accumulation_dtype
-        gradient_metrics = metrics not in (no_metrics, _per_example.l2_norm)
-        return _per_example.describe(
-            example, wanted, is_summed, method, dtype, args, kwargs, gradient_metrics
-        )
 
-    measure = None if metrics is no_metrics else metrics
-    # ``local_step``: the same per-microbatch step for the loop per shard (``_fsdp.run``),
-    # where each device folds its own rows and means are sums until the devices combine.
-    local = dataclasses.replace(settings, mesh_axes=None)
-    folds = _fsdp.local_kinds(accumulators)
-    if is_summed:
-        summed = _per_example.summed(example, accumulators, clipping, measure, settings, method)
-        looped = _vmap.loop_over(summed, axes, settings)
-        per_shard = _fsdp.supports(accumulators, settings.count, _fsdp.KINDS[:2])
-        local_step = _per_example.summed(example, folds, clipping, measure, local, method)
-    else:
-        per_example = _per_example.per_example(example, clipping, transform, metrics)
-        looped = _vmap.build(per_example, axes, jax.vmap, settings)
-        per_shard = _fsdp.supports(accumulators, settings.count, _fsdp.KINDS)
-        with_folds = dataclasses.replace(local, accumulator=(folds, AccumulationType.CONCAT))
-        local_step = _vmap.aggregated(per_example, axes, jax.vmap, with_folds)
-    local_loops: dict[Any, Any] = {}
+CLIP_METHODS: tuple[str, ...] = typing.get_args(ClipMethod)
+"""The values of ``clip_method``: ``"auto"`` and the methods a user may ask for."""
 
-    def local_loop(layout: _fsdp.Layout, size: int) -> Any:
-        """The loop over one device's rows, inside the shard_map of ``_fsdp.run``."""
-        key = (layout, size)
-        if key not in local_loops:
 
-            def body(weights: Any, *args: Any, **kwargs: Any) -> Any:
-                if layout.gather_per_microbatch:
-                    args = layout.gather(args, example.nums())
-                outs, aux = local_step(weights, *args, **kwargs)
-                if is_summed and layout.reduce_per_microbatch:
-                    outs = layout.reduce(outs)
-                return outs, aux
+class _Calls:
+    """The calls of one ``micro_grad`` function: its loops, built when the user wraps
+    ``fun``, and the plan of each call (``_methods.plan``), which they run."""
 
-            inner = dataclasses.replace(
-                local,
-                size=size,
-                accumulator=(folds, AccumulationType.CONCAT),
-                pin_consts=layout.gather_per_microbatch,
+    def __init__(self, request: _methods.GradRequest, unsplit: Any) -> None:
+        self.request, self.unsplit = request, unsplit
+        example, settings, kinds = request.example, request.settings, request.accumulators
+        # ``local``: the same per-microbatch step for the loop per shard (``_fsdp.run``),
+        # where each device folds its own rows and means are sums until the devices combine.
+        self.local = dataclasses.replace(settings, mesh_axes=None)
+        self.folds = _fsdp.local_kinds(kinds)
+        if request.summed:
+            self.looped = _vmap.loop_over(
+                _methods.summed(request, kinds, settings), example.axes, settings
             )
-            loop = _vmap.loop_over(body, axes, inner)
+            self.per_shard = _fsdp.supports(kinds, settings.count, _fsdp.KINDS[:2])
+            self.local_step = _methods.summed(request, self.folds, self.local)
+        else:
+            one = _per_example.per_example(
+                example, request.clipping, request.transform, request.metrics
+            )
+            self.looped = _vmap.build(one, example.axes, jax.vmap, settings)
+            self.per_shard = _fsdp.supports(kinds, settings.count, _fsdp.KINDS)
+            folded = dataclasses.replace(
+                self.local, accumulator=(self.folds, AccumulationType.CONCAT)
+            )
+            aggregated = _vmap.aggregated(one, example.axes, jax.vmap, folded)
+            self.local_step = lambda plan, weights, *a, **k: aggregated(weights, *a, **k)
+        self.local_loops: dict[Any, Any] = {}
 
-            def call(args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any) -> Any:
-                extra = {} if weights is None else {"example_weights": weights}
-                return loop(*args, **kwargs, **extra)
-
-            local_loops[key] = call
-        return local_loops[key]
-
-    def run_per_shard(
-        layout: _fsdp.Layout, size: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def __call__(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any
     ) -> tuple[PyTree, Aux]:
-        kwargs = dict(kwargs)
-        weights = kwargs.pop("example_weights", None)
-        nums = example.nums()
-        if is_summed:
+        request = self.request
+        example, settings = request.example, request.settings
+        args, kwargs = example.axes.to_positions(args, kwargs)
+        example.check_differentiable(args)
+        self.unsplit.check(args)
+        plan = self.plan(args, kwargs, weights)
+        layout, nums = plan.layout, example.nums()
+        if layout is not None and self.per_shard and _runs_per_shard(layout, settings):
+            first = _per_example.first_batched(example.axes, args, kwargs)
+            explicit = _sharding.explicit_sharding(first) is not None
+            if not (explicit and self._closes_over_traced_values(args, kwargs)):
+                return self._per_shard(plan, args, kwargs, weights)
+        args = _fsdp.gathered_once(layout, nums, args)
+        if request.gathers_for_norms and settings.mesh_axes:
+            # The per-example norms read every parameter on every shard: gathered once
+            # here, not once per microbatch by XLA inside the loop.
+            args = tuple(_layout.replicated(a) if i in nums else a for i, a in enumerate(args))
+        if request.summed:
+            return self.looped(args, kwargs, weights, plan)
+        return self.looped(args, kwargs, weights)
+
+    def plan(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any, layout: bool = True
+    ) -> _methods.GradPlan:
+        """The plan of a call with positional ``args``; ``layout``: read its layout too."""
+        request = self.request
+        example, settings = request.example, request.settings
+        size = _batch.locate(example.axes, args, kwargs, weights, None, None).size
+        m = settings.size
+        padded = settings.allow_remainder and m is not None and size % m != 0
+        where = None
+        first = _per_example.find_batched(example.axes, args, kwargs)
+        if layout and first is not None and not request.batched_grad:
+            params = _differentiated(example.argnums, args)
+            given = _fsdp.given_specs(request.param_specs, params)
+            nums = example.nums()
+            leaves = jax.tree.leaves([args[i] for i in nums if i < len(args)])
+            where = _fsdp.layout(first, leaves, settings.mesh_axes, request.trade, given)
+        weighted = weights is not None or padded
+        return _abstractly(lambda a, k: _methods.plan(request, a, k, weighted, where), args, kwargs)
+
+    def describe(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any
+    ) -> ClippingReport:
+        """The call's plan, as ``clipping_report`` shows it."""
+        args, kwargs = self.request.example.axes.to_positions(args, kwargs)
+        return self.plan(args, kwargs, weights, layout=False).report()
+
+    def _per_shard(
+        self,
+        plan: _methods.GradPlan,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        weights: Any,
+    ) -> tuple[PyTree, Aux]:
+        """The call on each device's rows, inside a ``shard_map`` (``_fsdp.run``)."""
+        request, layout = self.request, plan.layout
+        assert layout is not None  # for the type checker: the caller checked it
+        example, summed, kinds = request.example, request.summed, request.accumulators
+        if summed:
             specs = layout.grad_specs(args, example.argnums)
         else:
-            specs = _fsdp.out_specs(accumulators, layout.entry)
+            specs = _fsdp.out_specs(kinds, layout.entry)
 
         def finish(outs: PyTree, total: Any) -> PyTree:
-            if is_summed and not layout.reduce_per_microbatch:
+            if summed and not layout.reduce_per_microbatch:
                 outs = layout.reduce(outs)
-            return _fsdp.combine(accumulators, outs, total, layout.axes, reduced=is_summed)
+            return _fsdp.combine(kinds, outs, total, layout.axes, reduced=summed)
 
+        loop = self._local_loop(plan, (request.settings.size or 0) // layout.count)
         out, aux = _fsdp.run(
             layout,
-            local_loop(layout, size // layout.count),
-            nums,
-            lambda where: axes.spec(where) is not None,
+            loop,
+            example.nums(),
+            lambda where: example.axes.spec(where) is not None,
             (args, kwargs, weights),
             specs,
             finish,
         )
-        if not is_summed:  # a transform's sums come back whole: laid out as promised
+        if not summed:  # a transform's sums come back whole: laid out as promised
             params = _differentiated(example.argnums, args)
             out = _fsdp.like_parameters(out, params, layout.grad_specs(args, example.argnums))
         return out, aux
 
-    unsplit = _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums)
+    def _local_loop(self, plan: _methods.GradPlan, size: int) -> Any:
+        """``loop(args, kwargs, weights)`` over one device's rows, inside the shard_map of
+        ``_fsdp.run``; one per plan and size, so that its compiled loop is kept."""
+        key = (plan, size)
+        if key not in self.local_loops:
+            layout, request = plan.layout, self.request
+            assert layout is not None  # for the type checker: only sharded plans get here
+            nums, summed = request.example.nums(), request.summed
 
-    gather = is_summed and wanted and method in ("auto", "ghost", "two_pass")
+            def body(plan: Any, weights: Any, *args: Any, **kwargs: Any) -> Any:
+                if layout.gather_per_microbatch:
+                    args = layout.gather(args, nums)
+                outs, aux = self.local_step(plan, weights, *args, **kwargs)
+                if summed and layout.reduce_per_microbatch:
+                    outs = layout.reduce(outs)
+                return outs, aux
 
-    def checked(*args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        positional, named = axes.to_positions(args, kwargs)
-        example.check_differentiable(positional)
-        unsplit.check(positional)
-        nums = example.nums()
-        first = _per_example.find_batched(axes, positional, named)
-        differentiated = jax.tree.leaves([positional[i] for i in nums if i < len(positional)])
-        layout = None
-        if first is not None and not batched_grad:  # else the loop says what is missing
-            given = _fsdp.given_specs(param_specs, _differentiated(example.argnums, positional))
-            layout = _fsdp.layout(first, differentiated, settings.mesh_axes, trade, given)
-        if layout is not None and per_shard and _runs_per_shard(layout, settings):
-            explicit = _sharding.explicit_sharding(first) is not None
-            if not (explicit and _closes_over_traced_values(positional, named)):
-                return run_per_shard(layout, settings.size or 0, positional, named)
-        positional = _fsdp.gathered_once(layout, nums, positional)
-        if gather and settings.mesh_axes:
-            # The per-example norms read every parameter on every shard: gathered once
-            # here, not once per microbatch by XLA inside the loop.
-            positional = tuple(
-                _layout.replicated(a) if i in nums else a for i, a in enumerate(positional)
+            inner = dataclasses.replace(
+                self.local,
+                size=size,
+                accumulator=(self.folds, AccumulationType.CONCAT),
+                pin_consts=layout.gather_per_microbatch,
             )
-        return looped(*positional, **named)
+            loop = _vmap.loop_over(body, request.example.axes, inner)
+            self.local_loops[key] = lambda a, k, w: loop(a, k, w, plan)
+        return self.local_loops[key]
 
-    def _closes_over_traced_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _closes_over_traced_values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether ``fun`` or the clipping options hold values traced by an enclosing
         ``jit``: a ``shard_map`` on an Explicit mesh cannot close over them (JAX 0.10)."""
+        clipping, example = self.request.clipping, self.request.example
         bound = () if clipping is None else (clipping.bound, clipping.normalize_by)
-        kwargs = {k: v for k, v in kwargs.items() if k != "example_weights"}
 
-        def plain(x: Any) -> Any:  # its shape and dtype only: no layout to check
-            if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct(x.shape, x.dtype)
-            return x
-
-        args, kwargs = jax.tree.map(plain, (args, kwargs))
-        closed = jax.make_jaxpr(_vmap.vmapped(example.loss, axes, jax.vmap))(*args, **kwargs)
+        args, kwargs = jax.tree.map(_plain, (args, kwargs))
+        losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
+        closed = jax.make_jaxpr(losses)(*args, **kwargs)
         return any(isinstance(x, Tracer) for x in [*jax.tree.leaves(bound), *closed.consts])
 
-    return wraps(fun, checked, axes, settings, weights=True, describe=describe)
+
+def _plain(x: Any) -> Any:
+    """An array's shape and dtype only, without its layout; anything else as it is."""
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        weak = getattr(getattr(x, "aval", x), "weak_type", False)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
+    return x
+
+
+def _abstractly(
+    fn: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``fn(args, kwargs)`` traced on the arrays' shapes and dtypes, without their
+    layouts (``_plain``); the other leaves as they are. The plan reads shapes and dtypes
+    only: one example of a batch split over an Explicit mesh cannot be sliced out before
+    the loop, as it is inside it."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    arrays = [isinstance(x, jax.Array | jax.ShapeDtypeStruct) for x in leaves]
+    found: list[Any] = []
+
+    def traced(values: list[Any]) -> int:
+        it = iter(values)
+        full = [next(it) if a else x for x, a in zip(leaves, arrays, strict=True)]
+        found.append(fn(*jax.tree.unflatten(treedef, full)))
+        return 0
+
+    jax.eval_shape(traced, [_plain(x) for x, a in zip(leaves, arrays, strict=True) if a])
+    return found[0]
 
 
 def _differentiated(argnums: int | tuple[int, ...], args: tuple[Any, ...]) -> Any:

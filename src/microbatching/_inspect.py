@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ._signature import OPTIONS
+from ._signature import OPTIONS, split_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +125,11 @@ def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -
         )
     jax.eval_shape(grad_fn, *args, **kwargs)  # the call's own errors, first
     found: list[ClippingReport] = []
+    kwargs, weights = split_weights(kwargs)
 
-    def trace(args: Any, kwargs: Any) -> int:
-        found.append(describe(args, kwargs))
+    def trace(args: Any, kwargs: Any, weights: Any) -> int:
+        found.append(describe(args, kwargs, weights))
         return 0
 
-    jax.eval_shape(trace, args, kwargs)
+    jax.eval_shape(trace, args, kwargs, weights)
     return found[0]

@@ -45,8 +45,9 @@ STATE_HINT = (
 
 
 def loop(body: Function, axes: BatchAxes, settings: Settings) -> Function:
-    """The microbatched ``body``: ``looped(args, kwargs, weights)`` plans each call and
-    runs the loop.
+    """The microbatched ``body``: ``looped(args, kwargs, weights, bind=None)`` plans each
+    call and runs the loop; a ``bind`` other than None is passed to ``body`` first (the
+    call's ``micro_grad`` plan).
 
     ``body(weights, *args, **kwargs)`` is called with the call's arguments, each batch
     argument cut to one microbatch, and the microbatch's ``example_weights``: the call's,
@@ -66,14 +67,17 @@ def loop(body: Function, axes: BatchAxes, settings: Settings) -> Function:
     # fingerprint cannot see what they read, so its loop is not reused between calls.
     cache = _eager.Cache()
 
-    def looped(args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any) -> Any:
+    def looped(
+        args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any, bind: Any = None
+    ) -> Any:
+        step = body if bind is None else functools.partial(body, bind)
         with jax.named_scope(name):
             count = None if size is None else settings.count
             batch = _batch.locate(
                 axes, args, kwargs, weights, size, count, settings.allow_remainder, padded
             )
             if batch.microbatch_size is None:  # no microbatching, no weights
-                return _layout.close(body(None, *args, **kwargs))
+                return _layout.close(step(None, *args, **kwargs))
             m = batch.microbatch_size
             if batch.remainder:
                 _warn_if_sharded(batch, m, settings.mesh_axes, axes)
@@ -81,7 +85,7 @@ def loop(body: Function, axes: BatchAxes, settings: Settings) -> Function:
                 _layout.check_shards(batch.leaves[i], batch.axes[i] or 0, m, batch.labels[i])
             loop = Loop(batch, m, padded, batch.substitute, settings.mesh_axes)
             with _sharding.mesh_of(batch.leaves), jax.named_scope(f"microbatch_size_{m}"):
-                programs = _trace(body, loop)
+                programs = _trace(step, loop)
                 run = Run(loop.static(), settings, name if settings.progress else None)
                 consts, inputs = programs.consts(), loop.inputs()
                 if custom or not _eager.is_concrete((consts, inputs)):

@@ -1,18 +1,16 @@
-"""Per-example gradients for ``micro_grad``, one microbatch at a time.
-
-Two ways to compute a microbatch's contribution:
+"""Per-example gradients for ``micro_grad``, one microbatch at a time: the pieces the
+methods of ``_methods`` are made of.
 
 - ``per_example``: each example's gradient, clipped and transformed, then aggregated.
   This is what a ``transform_fn`` or a custom accumulator needs.
-- ``summed``: when the transform is the identity and the accumulation is a sum or a
-  mean, the aggregate of the per-example gradients is the gradient of the summed loss,
-  one backward pass with matrix products instead of one per example. That equality
-  holds only where ``_summed_is_exact`` proves it for the call's traced loss; elsewhere
-  ``summed`` forms the per-example gradients (``explicit``). With clipping (or
-  ``metrics_fn=l2_norm``) it takes the method of ``clip_method``: ``ghost`` reads the
-  norms off the traced program and sums by book-keeping (``_ghost``); ``two_pass`` and
-  ``chunked`` scale each example's loss by its clip factor, held fixed, and take the
-  gradient of the weighted sum; ``materialize`` is ``explicit``.
+- The summed path: when the transform is the identity and the accumulation is a sum or
+  a mean, the aggregate of the per-example gradients is the gradient of the summed loss
+  (``weighted_gradient``), one backward pass with matrix products instead of one per
+  example. That equality holds only where ``summed_is_exact`` proves it for the call's
+  traced loss; elsewhere ``explicit`` forms the per-example gradients. ``ghost`` reads
+  the norms off the traced program and sums by book-keeping (``_ghost``);
+  ``statistics_in_chunks`` forms the per-example gradients a chunk at a time for their
+  norms and metrics.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _accumulators, _clipping, _ghost, _layout, _programs, _vmap
-from ._inspect import ClippingReport, LeafRule
 from ._signature import BatchAxes
 from ._typing import Function, PyTree
-from ._wrap import Settings
 
 
 class Aux(NamedTuple):
@@ -163,10 +159,6 @@ class Examples:
         return (self.argnums,) if isinstance(self.argnums, int) else self.argnums
 
 
-METHODS = ("auto", "ghost", "two_pass", "chunked", "materialize")
-"""How ``micro_grad`` may compute clipped sums and per-example norms; see its docstring."""
-
-
 def l2_norm(tree: PyTree) -> jax.Array:
     """The L2 norm of a pytree of arrays, over all its leaves, without overflow.
 
@@ -200,166 +192,133 @@ def per_example(
     return one
 
 
-def summed(
-    example: Examples,
-    accumulators: Any,
-    clipping: _clipping.Clipping | None,
-    metrics: Callable[[PyTree], PyTree] | None,
-    settings: Settings,
-    method: str,
-) -> Function:
-    """A microbatch's summed (or averaged) gradient and its per-example ``Aux``.
+@dataclasses.dataclass(frozen=True)
+class Sums:
+    """What the steps of the summed path read: one example's loss, the clipping, the
+    metrics and the requested accumulation dtype.
 
-    On a sharded batch each shard sums its own rows, and the partial sums stay open, one
-    per shard, until the loop ends.
+    Attributes:
+      example: One example's loss and gradient.
+      clipping: The clipping options, or None.
+      metrics: ``metrics_fn``, or None for no metrics.
+      requested: The requested accumulation dtype, or None for the default.
     """
-    requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
-    losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
-    each = _vmap.vmapped(example.value_and_grad, example.axes, jax.vmap)
-    norms_only = metrics is l2_norm
-    by_seed = (
-        clipping is None
-        and metrics is None
-        and method == "auto"
-        and _accumulators.averages_rows(accumulators)
+
+    example: Examples
+    clipping: _clipping.Clipping | None
+    metrics: Callable[[PyTree], PyTree] | None
+    requested: Any
+
+    @property
+    def norms_only(self) -> bool:
+        """Whether the metrics are the norms (``l2_norm``), which need no gradient."""
+        return self.metrics is l2_norm
+
+    def losses(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """The ``(values, aux)`` of a microbatch, one row per example."""
+        return _vmap.vmapped(self.example.loss, self.example.axes, jax.vmap)(*args, **kwargs)
+
+    def each(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], PyTree]:
+        """The ``((values, aux), gradients)`` of a microbatch, one row per example."""
+        each = _vmap.vmapped(self.example.value_and_grad, self.example.axes, jax.vmap)
+        return each(*args, **kwargs)
+
+
+def weighted_gradient(
+    sums: Sums,
+    measured: Any,
+    factors: jax.Array | None,
+    seed: Any,
+    given: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[PyTree, Aux]:
+    """The gradient of the microbatch's loss summed with each example's clip ``factors``
+    and weight ``given`` (either may be None), times ``seed`` if given; ``measured`` are
+    the per-example metrics for ``Aux``.
+
+    The factors depend on the parameters, but as values closed over by ``total`` the
+    gradient holds them fixed; outer derivatives still see them.
+    """
+    example = sums.example
+
+    def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        values, aux = sums.losses(*args, **kwargs)
+        weighted = values if factors is None else values * factors.astype(values.dtype)
+        if seed is not None:
+            weighted = weighted * jnp.asarray(seed, values.dtype)
+        if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
+            if given.dtype != jnp.bool_:
+                weighted = weighted * given.astype(values.dtype)
+            weighted = jnp.where(given != 0, weighted, jnp.zeros((), values.dtype))
+        return jnp.sum(weighted), (values, aux)
+
+    (_, (values, aux)), grads = jax.value_and_grad(total, example.argnums, has_aux=True)(
+        *args, **kwargs
     )
+    return _kept(grads, Aux(values, measured, aux), given)
+
+
+def _kept(grads: PyTree, out: Aux, given: Any) -> tuple[PyTree, Aux]:
+    """``Aux`` zero on the rows of weight 0, and the sums zero where every row is."""
+    if given is None:
+        return grads, out
+    keep = given != 0
+    out = jax.tree.map(lambda x: _masked(x, keep), out)
+    grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
+    return grads, out
+
+
+def statistics_in_chunks(
+    sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, jax.Array | None]:
+    """The per-example metrics and clip factors (None without clipping) of a
+    microbatch, from its per-example gradients, a chunk of rows at a time."""
 
     def statistics(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        grads = each(*args, **kwargs)[1]
-        measured = None if metrics is None else jax.vmap(metrics)(grads)
-        if clipping is None:
+        grads = sums.each(*args, **kwargs)[1]
+        measured = None if sums.metrics is None else jax.vmap(sums.metrics)(grads)
+        if sums.clipping is None:
             return measured, None
-        rows = first_batched(example.axes, args, kwargs).shape[0]
-        scale = clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
+        rows = first_batched(sums.example.axes, args, kwargs).shape[0]
+        scale = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
         return measured, scale[0] if scale else jnp.ones((rows,))
 
-    def averaged(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        """``rows``, divided by the rows where the accumulators average them (no weights)."""
-        if given is not None:  # weighted sums: the loop divides means by the weights
-            return rows(given, *args, **kwargs)
-        count = first_batched(example.axes, args, kwargs).shape[0]
-        exact = count and by_seed
-        if exact and _summed_is_exact(example, losses, requested, True, args, kwargs):
-            # The mean's 1/rows seeds the backward pass, rather than scaling its result:
-            # XLA then adds an embedding's scattered gradient into the carry in place,
-            # where a scaled one took a copy of the table and 2.5x the time.
-            return rows_seeded(1 / count, None, *args, **kwargs)
-        grads, aux = rows(None, *args, **kwargs)
-        return _accumulators.per_row(accumulators, grads, count), aux
+    return _in_chunks(statistics, sums.example, args, kwargs)
 
-    def rows(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        return rows_seeded(None, given, *args, **kwargs)
 
-    def rows_seeded(
-        seed: float | None, given: Any, *args: Any, **kwargs: Any
-    ) -> tuple[PyTree, Aux]:
-        """A microbatch's summed gradient and ``Aux``; with ``seed``, the gradient of the
-        summed loss scaled by it (the mean's 1 / rows, where the backward pass is linear)."""
-        scaled = clipping is not None or given is not None
-        wanted = (clipping is not None or norms_only) and (metrics is None or norms_only)
-        if not first_batched(example.axes, args, kwargs).shape[0]:
-            return explicit(given, *args, **kwargs)  # an empty batch: nothing to read
-        if wanted and method in ("auto", "ghost"):
-            out = ghost(example, clipping, norms_only, requested, given, args, kwargs, method)
-            if not isinstance(out, str):
-                return out
-            if method == "ghost":
-                raise ValueError(_NO_GHOST.format(method=method, reason=out))
-            if out == _CHEAPER:
-                return explicit(given, *args, **kwargs)
-        if seed is None and (
-            method == "materialize"
-            or not _summed_is_exact(example, losses, requested, scaled, args, kwargs)
-        ):
-            if method in ("two_pass", "chunked"):
-                raise ValueError(_NOT_LINEAR.format(method=method))
-            return explicit(given, *args, **kwargs)
-        measured, factors = None, None
-        if method == "two_pass":
-            norms = ghost_norms(example, requested, args, kwargs)
-            if isinstance(norms, str):
-                raise ValueError(_NO_GHOST.format(method=method, reason=norms))
-            if clipping is not None:
-                factors = clipping.per_leaf(norms, [args[i] for i in example.nums()])[0]
-            measured = _clipping.row_norms(norms, norms.shape[0]) if norms_only else None
-        elif clipping is not None or metrics is not None:
-            # The factors depend on the parameters, but as values closed over by ``total``
-            # the gradient below holds them fixed; outer derivatives still see them.
-            measured, factors = _in_chunks(statistics, example, args, kwargs)
+def explicit(
+    sums: Sums, given: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[PyTree, Aux]:
+    """A microbatch's sums from the per-example gradients, each scaled by its clip
+    factor and weight, and added up in the accumulation dtype."""
+    (values, aux), grads = sums.each(*args, **kwargs)
+    rows = values.shape[0]
+    measured = None if sums.metrics is None else jax.vmap(sums.metrics)(grads)
+    leaves, structure = jax.tree.flatten(grads)
+    scales = [jnp.ones((rows,), jnp.float32)] * len(leaves)
+    if sums.clipping is not None:
+        scales = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
+    keep = None if given is None else given != 0
+    if given is not None and given.dtype != jnp.bool_:
+        scales = [s * given.astype(jnp.promote_types(given.dtype, s.dtype)) for s in scales]
 
-        def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-            values, aux = losses(*args, **kwargs)
-            weighted = values if factors is None else values * factors.astype(values.dtype)
-            if seed is not None:
-                weighted = weighted * jnp.asarray(seed, values.dtype)
-            if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-                if given.dtype != jnp.bool_:
-                    weighted = weighted * given.astype(values.dtype)
-                weighted = jnp.where(given != 0, weighted, jnp.zeros((), values.dtype))
-            return jnp.sum(weighted), (values, aux)
+    def add(g: jax.Array, scale: jax.Array) -> _layout.Open:
+        wide = _accumulators.accumulation_dtype(g.dtype, sums.requested)
+        shape = (rows,) + (1,) * (g.ndim - 1)
+        g = _layout.rows_apart(g)  # see there: XLA:CPU sums such rows wrongly
+        terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
+        drop = jnp.reshape(scale == 0, shape)
+        if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
+            drop = drop | ~jnp.reshape(keep, shape)
+        terms = jnp.where(drop, jnp.zeros((), wide), terms)
+        return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
 
-        (_, (values, aux)), grads = jax.value_and_grad(total, example.argnums, has_aux=True)(
-            *args, **kwargs
-        )
-        out = Aux(values, measured, aux)
-        if given is not None:
-            keep = given != 0
-            out = jax.tree.map(lambda x: _masked(x, keep), out)
-            grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
-        return grads, out
-
-    def explicit(given: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        """The same sums from the per-example gradients, each scaled by its clip factor
-        and weight, and added up in the accumulation dtype."""
-        (values, aux), grads = each(*args, **kwargs)
-        rows = values.shape[0]
-        measured = None if metrics is None else jax.vmap(metrics)(grads)
-        leaves, structure = jax.tree.flatten(grads)
-        scales = [jnp.ones((rows,), jnp.float32)] * len(leaves)
-        if clipping is not None:
-            scales = clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
-        keep = None if given is None else given != 0
-        if given is not None and given.dtype != jnp.bool_:
-            scales = [s * given.astype(jnp.promote_types(given.dtype, s.dtype)) for s in scales]
-
-        def add(g: jax.Array, scale: jax.Array) -> _layout.Open:
-            wide = _accumulators.accumulation_dtype(g.dtype, requested)
-            shape = (rows,) + (1,) * (g.ndim - 1)
-            g = _layout.rows_apart(g)  # see there: XLA:CPU sums such rows wrongly
-            terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
-            drop = jnp.reshape(scale == 0, shape)
-            if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-                drop = drop | ~jnp.reshape(keep, shape)
-            terms = jnp.where(drop, jnp.zeros((), wide), terms)
-            return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
-
-        out = Aux(values, measured, aux)
-        if keep is not None:
-            out = jax.tree.map(lambda x: _masked(x, keep), out)
-        summed = [add(g, s) for g, s in zip(leaves, scales, strict=True)]
-        return jax.tree.unflatten(structure, summed), out
-
-    def per_microbatch(weights: Any, *args: Any, **kwargs: Any) -> tuple[PyTree, Aux]:
-        with jax.named_scope("micro_grad_step"):
-            first = first_batched(example.axes, args, kwargs)
-            where = _layout.shards(first, 0, mesh_axes)
-            if where is None:
-                grads, aux = averaged(weights, *args, **kwargs)
-                grads = jax.tree.map(
-                    lambda g: _open(g, requested, None), grads, is_leaf=_layout.is_open
-                )
-                return grads, aux
-            else:
-                grads, aux = _by_shard(rows, example.axes, where, weights, args, kwargs)
-                grads = jax.tree.map(
-                    lambda g: _open(g, requested, "sum", where), grads, is_leaf=_layout.is_open
-                )
-                aux = jax.tree.map(lambda x: _layout.unchunk(x, where), aux)
-            if weights is not None:  # weighted sums: the loop divides means by the weights
-                return grads, aux
-            return _accumulators.per_row(accumulators, grads, first.shape[0]), aux
-
-    return per_microbatch
+    out = Aux(values, measured, aux)
+    if keep is not None:
+        out = jax.tree.map(lambda x: _masked(x, keep), out)
+    summed = [add(g, s) for g, s in zip(leaves, scales, strict=True)]
+    return jax.tree.unflatten(structure, summed), out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,12 +386,22 @@ def _analyse(split: _Split, requested: Any) -> _ghost.Program | str:
     return program
 
 
-def ghost_norms(
-    example: Examples, requested: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> jax.Array | str:
+def leaf_paths(example: Examples, args: tuple[Any, ...]) -> list[str]:
+    """The path of each differentiated leaf, as the gradient's tree names it."""
+    split = _split(example, args, {})
+    grads = split.gradient(example, split.params)
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+
+
+def read_program(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ghost.Program | str:
+    """The traced program of one example's loss, or why the ghost norms cannot read it."""
+    return _analyse(_split(sums.example, args, kwargs), sums.requested)
+
+
+def ghost_norms(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> jax.Array | str:
     """``(rows, leaves)`` per-example norms of each parameter leaf, by the ghost norms."""
-    split = _split(example, args, kwargs)
-    program = _analyse(split, requested)
+    split = _split(sums.example, args, kwargs)
+    program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
     seen = _ghost.record(program, split.params, split.data)
@@ -440,24 +409,15 @@ def ghost_norms(
 
 
 def ghost(
-    example: Examples,
-    clipping: _clipping.Clipping | None,
-    norms_only: bool,
-    requested: Any,
-    given: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    method: str = "ghost",
+    sums: Sums, given: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[PyTree, Aux] | str:
     """The clipped (weighted) sum by book-keeping, with per-example values, aux and
-    norms; or why the ghost norms cannot read this loss (``_CHEAPER`` where, with
-    ``method="auto"``, forming the per-example gradients costs less)."""
+    norms; or why the ghost norms cannot read this loss."""
+    example, clipping = sums.example, sums.clipping
     split = _split(example, args, kwargs)
-    program = _analyse(split, requested)
+    program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
-    if method == "auto" and _ghost.materialize_cost(program) < _ghost.ghost_cost(program):
-        return _CHEAPER
     seen = _ghost.record(program, split.params, split.data)
     norms = _ghost.leaf_norms(program, split.params, seen)
     rows = norms.shape[0]
@@ -471,100 +431,14 @@ def ghost(
         wide = jnp.promote_types(weights.dtype, scale.dtype)
         scale = jnp.where(given[:, None] != 0, scale.astype(wide) * weights[:, None], 0)
     clean = given is not None or (clipping is not None and clipping.nan_safe)
-    sums = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean)
-    grads = split.gradient(example, sums)
+    total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean)
+    grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
-    measured = _clipping.row_norms(norms, rows) if norms_only else None
-    out = Aux(seen.outs[0], measured, aux)
-    if given is not None:
-        keep = given != 0
-        out = jax.tree.map(lambda x: _masked(x, keep), out)
-        grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
-    return grads, out
+    measured = _clipping.row_norms(norms, rows) if sums.norms_only else None
+    return _kept(grads, Aux(seen.outs[0], measured, aux), given)
 
 
-def describe(
-    example: Examples,
-    wanted: bool,
-    is_summed: bool,
-    method: str,
-    requested: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    gradient_metrics: bool = False,
-) -> ClippingReport:
-    """What ``summed`` or ``per_example`` does for a call with these arguments (whole
-    batch), as ``clipping_report`` shows it. ``gradient_metrics``: a ``metrics_fn``
-    other than ``l2_norm``, which needs each example's gradient."""
-    split = _split(example, args, kwargs)
-    paths = [
-        jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(split.gradient(example, split.params))[0]
-    ]
-
-    def each(rule: str, why: str) -> ClippingReport:
-        leaves = tuple(
-            LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
-            for path, p in zip(paths, split.params, strict=True)
-        )
-        return ClippingReport(method if method != "auto" else rule, why, leaves)
-
-    if not is_summed:
-        why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
-        return dataclasses.replace(each("per-example", why), method="materialize")
-    if not wanted:
-        return dataclasses.replace(each("unused", "no clipping and no norms"), method="plain")
-    if method in ("chunked", "materialize"):
-        return dataclasses.replace(each("per-example", "asked for"), method=method)
-
-    def per_example_gradients(why: str) -> ClippingReport:
-        """``rows`` without the ghost norms: chunked where the weighted loss is exact."""
-        losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
-        exact = _summed_is_exact(example, losses, requested, True, args, kwargs)
-        return dataclasses.replace(
-            each("per-example", why), method="chunked" if exact else "materialize"
-        )
-
-    if gradient_metrics:
-        return per_example_gradients(
-            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
-            "gives the norms without them)"
-        )
-    program = _analyse(split, requested)
-    if isinstance(program, str):
-        if method in ("ghost", "two_pass"):
-            raise ValueError(_NO_GHOST.format(method=method, reason=program))
-        return per_example_gradients(program)
-    leaves = tuple(
-        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
-        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
-    )
-    ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)
-    costs = (
-        f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
-    )
-    if method == "auto" and per_example < ghost:
-        return ClippingReport("materialize", f"{_CHEAPER}: {costs}", leaves)
-    why = "asked for" if method != "auto" else "the ghost norms read this loss"
-    return ClippingReport("ghost" if method == "auto" else method, f"{why}: {costs}", leaves)
-
-
-_CHEAPER = "forming the per-example gradients costs less"
-
-_NO_GHOST = (
-    "micro_grad was given clip_method={method!r}, but the ghost norms cannot read this "
-    "loss: {reason}. Pass clip_method='auto' to let micro_grad pick an exact method."
-)
-_NOT_LINEAR = (
-    "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
-    "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
-    "the per-example gradients here (a value narrower than its accumulation dtype, or a "
-    "custom VJP that is not linear in its cotangent). Pass clip_method='auto' or "
-    "'ghost'."
-)
-
-
-def _by_shard(
+def by_shard(
     rows: Function,
     axes: BatchAxes,
     where: _layout.Shards,
@@ -591,7 +465,7 @@ def _by_shard(
     return mapped(weights, args, kwargs)
 
 
-CHUNK_BYTES = 32 * 2**20
+STATISTICS_CHUNK_BYTES = 32 * 2**20
 """How many bytes of per-example gradients to form at once for their norms or metrics.
 
 They are formed a chunk of rows at a time (``lax.map``), so memory holds at most this
@@ -616,7 +490,7 @@ def _in_chunks(
         for i in example.nums()
         for x in jax.tree.leaves(args[i])
     )
-    most = max(1, CHUNK_BYTES // max(per_row, 1))
+    most = max(1, STATISTICS_CHUNK_BYTES // max(per_row, 1))
     size = max([d for d in range(1, min(rows, most) + 1) if rows % d == 0], default=rows)
     if size in (0, rows):
         return fn(*args, **kwargs)
@@ -662,7 +536,7 @@ def first_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]
     return leaf
 
 
-def _open(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:
+def open_sum(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:
     """A gradient sum, in the accumulation dtype until the loop ends; ``g`` may already
     be open (``explicit``)."""
     if isinstance(g, _layout.Open):
@@ -677,30 +551,8 @@ def _open(g: Any, requested: Any, merge: str | None, where: Any = None) -> Any:
     return _layout.Open(value.astype(wide), dtype, merge)
 
 
-NONLINEAR_IN_COTANGENT = {
-    "custom_lin",
-    "custom_vjp_call",
-    "custom_transpose_call",
-    "custom_linear_solve",
-}
-"""What may make a backward pass non-linear in its cotangent: primitives whose transpose
-runs code that the user supplies.
-
-Every other primitive's transpose is linear by construction (JAX transposes only linear
-maps), so without these a VJP with cotangent ``c_b`` per example is ``c_b`` times the VJP
-with cotangent 1. ``custom_lin`` is how a ``custom_vjp`` appears in a JVP; a
-``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``; the transpose
-of ``custom_linear_solve`` is a solve, which an iterative solver with a tolerance does
-not do linearly."""
-
-
-def _summed_is_exact(
-    example: Examples,
-    losses: Function,
-    requested: Any,
-    scaled: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+def summed_is_exact(
+    sums: Sums, scaled: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
     """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
     per-example gradients, as accumulated.
@@ -711,10 +563,10 @@ def _summed_is_exact(
       parameters, loss and intermediates, is narrower than the dtype the accumulation
       would give it (float16 would overflow, a clip factor or weight would be rounded);
     - when the examples are scaled (clip factors, weights, a padding mask), the backward
-      pass is linear in its cotangent: no ``NONLINEAR_IN_COTANGENT``. With all
+      pass is linear in its cotangent: no ``_programs.USER_TRANSPOSES``. With all
       cotangents 1 each example's backward pass is its own gradient's.
     """
-    nums = example.nums()
+    nums = sums.example.nums()
     if not all(
         jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
         for leaf in jax.tree.leaves([args[i] for i in nums])
@@ -726,13 +578,13 @@ def _summed_is_exact(
             full = list(args)
             for i, d in zip(nums, diff, strict=True):
                 full[i] = d
-            return losses(*full, **kwargs)[0]
+            return sums.losses(*full, **kwargs)[0]
 
         return jax.jvp(values, primals, primals)
 
     program = jax.make_jaxpr(tangents)(*[args[i] for i in nums])
     for dtype in _programs.float_dtypes(program):
-        wide = _accumulators.accumulation_dtype(dtype, requested)
+        wide = _accumulators.accumulation_dtype(dtype, sums.requested)
         if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
             return False
-    return not scaled or not _programs.calls(program, NONLINEAR_IN_COTANGENT)
+    return not scaled or not _programs.calls(program, _programs.USER_TRANSPOSES)

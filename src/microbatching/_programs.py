@@ -20,6 +20,23 @@ UNUSED_WHEN_NOT_DIFFERENTIATED = {
 """Parameters that only a derivative of the program reads. ``fingerprint`` leaves them
 out: the eager cache runs its programs on concrete values, which nothing differentiates."""
 
+USER_TRANSPOSES = {
+    "custom_lin",
+    "custom_vjp_call",
+    "custom_transpose_call",
+    "custom_linear_solve",
+}
+"""What may make a backward pass non-linear in its cotangent: primitives whose transpose
+runs code that the user supplies.
+
+Every other primitive's transpose is linear by construction (JAX transposes only linear
+maps), so without these a VJP with cotangent ``c_b`` per example is ``c_b`` times the VJP
+with cotangent 1. ``custom_lin`` is how a ``custom_vjp`` appears in a JVP; a
+``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``; the transpose
+of ``custom_linear_solve`` is a solve, which an iterative solver with a tolerance does
+not do linearly. (A ``custom_jvp_call`` is not here: its derivative is transposed by
+JAX, linearly. ``_ghost`` adds it for a reason of its own.)"""
+
 _PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
 
 

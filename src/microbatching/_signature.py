@@ -22,6 +22,19 @@ from ._typing import AxisSpec, Function
 WEIGHTS = "example_weights"
 """The keyword of the per-example weights that ``micro_vmap`` and ``micro_grad`` take."""
 
+
+def split_weights(kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """A call's keyword arguments without ``example_weights``, and the weights (or None).
+
+    The one place the weights leave the keywords: from here on they travel as an
+    argument of their own (``_wrap.wraps``, ``Options.batch_size``, ``clipping_report``).
+    """
+    if WEIGHTS not in kwargs:
+        return kwargs, None
+    rest = dict(kwargs)
+    return rest, rest.pop(WEIGHTS)
+
+
 RESERVES = "__microbatching_example_weights__"
 """The attribute set on our wrappers that take ``example_weights`` themselves."""
 

@@ -11,7 +11,7 @@ import jax
 from . import _accumulators, _checks, _fsdp, _signature
 from ._accumulators import AccumulationType
 from ._loop import loop
-from ._signature import WEIGHTS, BatchAxes
+from ._signature import BatchAxes
 from ._typing import AccumulatorTree, Count, Function, InAxes, P, VmapFn
 from ._wrap import Settings, wraps
 
@@ -149,8 +149,10 @@ def loop_over(
     settings: Settings,
     prepare: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
 ) -> Function:
-    """The loop over ``per_microbatch(weights, *args, **kwargs)``, called as ``fun`` would
-    be called, with an optional ``example_weights=``.
+    """The loop over ``per_microbatch(weights, *args, **kwargs)``, called as
+    ``called(args, kwargs, weights, bind=None)`` with the call's arguments and its
+    ``example_weights`` (or None) apart; ``bind`` is passed to ``per_microbatch`` first
+    where it is not None.
 
     Keyword arguments that name positional parameters become positional first, then
     ``prepare(args, kwargs)`` may lay them out for the loop. Profiler spans:
@@ -160,8 +162,9 @@ def loop_over(
     outer = f"{settings.span}_size_{settings.size}"
     inner = f"micro_vmap_size_{settings.size}"
 
-    def called(*args: Any, **kwargs: Any) -> Any:
-        weights = kwargs.pop(WEIGHTS, None)  # a copy: ** made it
+    def called(
+        args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any, bind: Any = None
+    ) -> Any:
         args, kwargs = axes.to_positions(args, kwargs)
         if prepare is not None:
             args, kwargs = prepare(args, kwargs)
@@ -169,7 +172,7 @@ def loop_over(
             jax.named_scope(outer),
             contextlib.nullcontext() if outer == inner else jax.named_scope(inner),
         ):
-            return looped(args, kwargs, weights)
+            return looped(args, kwargs, weights, bind)
 
     return called
 

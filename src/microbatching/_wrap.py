@@ -15,7 +15,7 @@ import jax.core
 import numpy as np
 
 from . import _batch
-from ._signature import OPTIONS, RESERVES, WEIGHTS, BatchAxes
+from ._signature import OPTIONS, RESERVES, WEIGHTS, BatchAxes, split_weights
 from ._typing import Count, Function, P
 
 
@@ -59,7 +59,7 @@ class Options:
 
     axes: BatchAxes
     settings: Settings
-    describe: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+    describe: Callable[[tuple[Any, ...], dict[str, Any], Any], Any] | None = None
 
     @property
     def allow_remainder(self) -> bool:
@@ -67,9 +67,7 @@ class Options:
 
     def batch_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """The size of the batch axis that a call with these arguments would split."""
-        weights = kwargs.get(WEIGHTS) if self.axes.weights else None
-        if self.axes.weights:
-            kwargs = {k: v for k, v in kwargs.items() if k != WEIGHTS}
+        kwargs, weights = split_weights(kwargs) if self.axes.weights else (kwargs, None)
         args, kwargs = self.axes.to_positions(args, kwargs)
         return _batch.locate(self.axes, args, kwargs, weights, None, None).size
 
@@ -80,18 +78,22 @@ def wraps(
     axes: BatchAxes,
     settings: Settings,
     weights: bool = False,
-    describe: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None,
+    describe: Callable[[tuple[Any, ...], dict[str, Any], Any], Any] | None = None,
 ) -> Callable[P, Any]:
     """``wrapper`` with ``fun``'s name, docstring and signature, but no ``__wrapped__``.
+
+    With ``weights`` the call's ``example_weights`` are split off here, once:
+    ``wrapper(args, kwargs, weights)``; else ``wrapper(*args, **kwargs)``.
 
     Equinox takes a ``__wrapped__`` attribute as the sign of a JAX transform and warns
     when one becomes a module field; our wrappers are plain functions. With
     ``weights`` the signature also has a keyword-only ``example_weights=None``, so that
     ``inspect.signature(...).bind`` (``eqx.filter_jit``, ``donate_argnames``) accepts it.
-    ``describe(args, kwargs)`` says how ``micro_grad`` would compute a call
+    ``describe(args, kwargs, weights)`` says how ``micro_grad`` would compute a call
     (``clipping_report``).
     """
-    out = functools.wraps(fun, updated=())(_shapes_of_structs(wrapper))
+    call = _weights_apart(wrapper) if weights else wrapper
+    out = functools.wraps(fun, updated=())(_shapes_of_structs(call))
     del out.__wrapped__
     setattr(out, OPTIONS, Options(axes, settings, describe))
     with contextlib.suppress(TypeError, ValueError):  # builtins may have none
@@ -101,6 +103,16 @@ def wraps(
             setattr(out, RESERVES, True)
         out.__signature__ = signature  # pyright: ignore[reportAttributeAccessIssue]
     return out
+
+
+def _weights_apart(wrapper: Function) -> Function:
+    """``wrapper(args, kwargs, weights)`` called as ``fun`` is, ``example_weights=`` apart."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kwargs, weights = split_weights(kwargs)
+        return wrapper(args, kwargs, weights)
+
+    return call
 
 
 def _shapes_of_structs(wrapper: Function) -> Function:

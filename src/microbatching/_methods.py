@@ -1,0 +1,384 @@
+"""How ``micro_grad`` computes a microbatch's summed gradient: the methods, and the plan
+that picks one for each call.
+
+``micro_grad``'s options are normalised once, when the user wraps ``fun``
+(``GradRequest``). Each call then gets one ``GradPlan``, built before the loop from the
+shapes of the call: which ``Method`` computes the summed (clipped) gradient and why, the
+rule of each parameter leaf's norm, whether the gradient of the summed loss is exactly
+the sum of the per-example gradients, and the call's sharded layout. The loop's body
+only runs the planned method's step; ``clipping_report`` prints the same plan.
+
+A method is one entry of ``METHODS``: a name and a step with one signature,
+``step(sums, seed, weights, args, kwargs) -> (summed gradient, Aux)``. A new method is
+one more entry, with the facts the wrap-time checks and the plan read from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _accumulators, _clipping, _fsdp, _ghost, _layout, _per_example
+from ._inspect import ClippingReport, LeafRule
+from ._per_example import Aux, Examples, Sums
+from ._typing import PyTree, PyTreeFn
+from ._wrap import Settings
+
+Step = Callable[[Sums, Any, Any, tuple[Any, ...], dict[str, Any]], tuple[PyTree, Aux]]
+"""``step(sums, seed, weights, args, kwargs)``: a microbatch's summed gradient and its
+``Aux``. ``seed`` is None, or the mean's ``1 / rows`` that seeds the backward pass (only
+where the plan found the gradient of the summed loss exact); ``weights`` the
+microbatch's ``example_weights``, or None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to compute a microbatch's summed gradient, its clipping and its norms.
+
+    Attributes:
+      name: As ``clip_method`` names it and ``clipping_report`` shows it.
+      step: The computation (``Step``).
+      scales_loss: Whether it takes the gradient of the loss weighted by one clip factor
+        per example: exact only where ``_summed_is_exact`` says so, with one bound for
+        the whole gradient, and NaN for an example whose loss is not finite.
+      forms_gradients: Whether it forms each example's gradient, which a ``metrics_fn``
+        other than ``l2_norm`` needs.
+    """
+
+    name: str
+    step: Step
+    scales_loss: bool
+    forms_gradients: bool
+
+    def check(self, request: GradRequest) -> None:
+        """Wrap-time: raises a ValueError naming the fix where this method, asked for by
+        name, cannot compute ``request``."""
+        name, clipping = self.name, request.clipping
+        if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
+            raise ValueError(
+                f"micro_grad was given clip_method={name!r}, which scales each example's "
+                "loss by one factor, and a pytree l2_clip_norm, which needs one factor per "
+                "subtree; pass clip_method='ghost', 'materialize' or 'auto'."
+            )
+        if self.scales_loss and clipping and clipping.nan_safe:
+            raise ValueError(
+                f"micro_grad was given clip_method={name!r} and nan_safe=True, but "
+                f"{name!r} takes the gradient of the losses weighted by the clip factors, "
+                "and an example whose loss is not finite makes that gradient NaN even at "
+                "factor 0; pass clip_method='auto', 'ghost' or 'materialize', which drop it."
+            )
+        if not self.forms_gradients and request.gradient_metrics:
+            raise ValueError(
+                f"micro_grad was given clip_method={name!r} and "
+                f"metrics_fn={request.metrics!r}, which needs each example's gradient; the "
+                f"{name} method never forms them. Pass metrics_fn=microbatching.l2_norm "
+                "for the per-example norms, or clip_method='auto'."
+            )
+        if name != "materialize" and not request.summed:
+            raise ValueError(
+                f"micro_grad was given clip_method={name!r}, which sums the clipped "
+                "gradients without forming them, but transform_fn, the accumulator or a "
+                "batched argnums needs each example's gradient; pass clip_method='auto' or "
+                "'materialize', or drop transform_fn and use SUM or MEAN."
+            )
+
+
+def _plain(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    return _per_example.weighted_gradient(sums, None, None, seed, weights, args, kwargs)
+
+
+def _ghost_step(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    out = _per_example.ghost(sums, weights, args, kwargs)
+    if isinstance(out, str):  # the plan read the same program before the loop
+        raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {out}.")
+    return out
+
+
+def _two_pass(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    norms = _per_example.ghost_norms(sums, args, kwargs)
+    if isinstance(norms, str):
+        raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {norms}.")
+    factors = None
+    if sums.clipping is not None:
+        params = [args[i] for i in sums.example.nums()]
+        factors = sums.clipping.per_leaf(norms, params)[0]
+    measured = _clipping.row_norms(norms, norms.shape[0]) if sums.norms_only else None
+    return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
+
+
+def _chunked(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    measured, factors = _per_example.statistics_in_chunks(sums, args, kwargs)
+    return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
+
+
+def _materialize(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    return _per_example.explicit(sums, weights, args, kwargs)
+
+
+PLAIN = Method("plain", _plain, scales_loss=True, forms_gradients=False)
+"""No clipping and no metrics: one gradient of the (weighted) summed loss."""
+GHOST = Method("ghost", _ghost_step, scales_loss=False, forms_gradients=False)
+"""Norms read off the traced program, the clipped sum by book-keeping (``_ghost``)."""
+TWO_PASS = Method("two_pass", _two_pass, scales_loss=True, forms_gradients=False)
+"""Ghost norms, then the gradient of the loss weighted by the clip factors."""
+CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True)
+"""Per-example gradients a chunk of rows at a time for the norms (and metrics), then
+the gradient of the loss weighted by the clip factors."""
+MATERIALIZE = Method("materialize", _materialize, scales_loss=False, forms_gradients=True)
+"""Per-example gradients, scaled and summed in the accumulation dtype."""
+
+METHODS: dict[str, Method] = {m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE)}
+"""Every method, by name; ``clip_method`` names all but ``plain``, and ``"auto"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradRequest:
+    """``micro_grad``'s options, normalised once when the user wraps ``fun``.
+
+    Attributes:
+      example: One example's loss and gradient.
+      clipping: The clipping options, or None.
+      transform: ``transform_fn``.
+      metrics: ``metrics_fn``.
+      accumulators: The accumulator tree.
+      method: ``clip_method`` as asked (``"auto"`` or a key of ``METHODS``).
+      settings: How the loop runs.
+      trade: ``gather_params`` and ``reduce_gradients``.
+      param_specs: ``param_specs``, checked.
+    """
+
+    example: Examples
+    clipping: _clipping.Clipping | None
+    transform: PyTreeFn
+    metrics: PyTreeFn
+    accumulators: Any
+    method: str
+    settings: Settings
+    trade: _fsdp.Trade
+    param_specs: Any
+
+    @property
+    def batched_grad(self) -> bool:
+        """Whether a differentiated argument is also a batch argument."""
+        return any(self.example.axes.spec(i) is not None for i in self.example.nums())
+
+    @property
+    def summed(self) -> bool:
+        """Whether the accumulated result is a (weighted) sum of the clipped gradients:
+        the identity transform, linear accumulators, no batched argnums."""
+        identity = self.transform is _per_example.identity
+        linear = _accumulators.is_linear(self.accumulators)
+        return identity and linear and not self.batched_grad
+
+    @property
+    def gradient_metrics(self) -> bool:
+        """Whether ``metrics_fn`` needs each example's gradient (not ``l2_norm``)."""
+        return self.metrics not in (_per_example.no_metrics, _per_example.l2_norm)
+
+    def sums(self, settings: Settings | None = None) -> Sums:
+        """What the summed path's steps read, for ``settings`` (default: the call's)."""
+        metrics = None if self.metrics is _per_example.no_metrics else self.metrics
+        requested = (settings or self.settings).accumulation_dtype
+        return Sums(self.example, self.clipping, metrics, requested)
+
+    @property
+    def gathers_for_norms(self) -> bool:
+        """Whether the norms may be read off the program (``auto``, ``ghost``,
+        ``two_pass``), which reads every parameter on every shard of the batch."""
+        wanted = self.clipping is not None or self.metrics is _per_example.l2_norm
+        return self.summed and wanted and self.method in ("auto", "ghost", "two_pass")
+
+    def check(self) -> None:
+        """Wrap-time: raises where the method asked for cannot compute the request."""
+        if self.method != "auto":
+            METHODS[self.method].check(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradPlan:
+    """How one call computes its result, decided once before the loop.
+
+    Attributes:
+      method: The resolved method (``materialize`` for the per-example path).
+      reason: Why, in words.
+      leaves: How each parameter leaf's per-example norm is computed.
+      summed: Whether the summed path runs (else ``per_example``: a ``transform_fn`` or
+        a custom accumulator).
+      exact: Whether the gradient of the weighted summed loss is exactly the weighted
+        sum of the per-example gradients, so that the mean's ``1 / rows`` may seed it.
+      layout: The call's sharded layout (``_fsdp.layout``), or None.
+    """
+
+    method: Method
+    reason: str
+    leaves: tuple[LeafRule, ...]
+    summed: bool = True
+    exact: bool = False
+    layout: _fsdp.Layout | None = None
+
+    def report(self) -> ClippingReport:
+        """The plan as ``clipping_report`` shows it."""
+        return ClippingReport(self.method.name, self.reason, self.leaves)
+
+    def seeds(self, accumulators: Any, weighted: bool) -> bool:
+        """Whether a step with ``accumulators`` seeds the backward pass with the mean's
+        ``1 / rows``: a plain gradient that is exact, averaged by rows, without weights."""
+        plain = self.method is PLAIN and self.exact and not weighted
+        return plain and _accumulators.averages_rows(accumulators)
+
+
+_ASKED = "asked for"
+_CHEAPER = "forming the per-example gradients costs less"
+_NO_GHOST = (
+    "micro_grad was given clip_method={method!r}, but the ghost norms cannot read this "
+    "loss: {reason}. Pass clip_method='auto' to let micro_grad pick an exact method."
+)
+_NOT_LINEAR = (
+    "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
+    "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
+    "the per-example gradients here (a value narrower than its accumulation dtype, or a "
+    "custom VJP that is not linear in its cotangent). Pass clip_method='auto' or "
+    "'ghost'."
+)
+
+
+def plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    weighted: bool,
+    layout: _fsdp.Layout | None = None,
+) -> GradPlan:
+    """The plan of one call with positional ``args`` and ``kwargs`` (no weights), which
+    are weighted where ``weighted``; raises where the method asked for cannot compute it.
+
+    Every decision of the summed path is here, in this order: nothing per example (the
+    plain gradient, where exact); a ``metrics_fn`` that needs the gradients (chunked);
+    a method asked for by name; the ghost norms where they read the loss and cost less
+    than forming the gradients (``auto``); chunked, else materialize.
+    """
+    sums, asked = request.sums(), request.method
+    paths = _per_example.leaf_paths(request.example, args)
+    params = jax.tree.leaves([args[i] for i in request.example.nums()])
+
+    def each(method: Method, rule: str, why: str, exact: bool = False) -> GradPlan:
+        leaves = tuple(
+            LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
+            for path, p in zip(paths, params, strict=True)
+        )
+        return GradPlan(method, why, leaves, request.summed, exact, layout)
+
+    if any(i >= len(args) for i in request.example.nums()):
+        return GradPlan(MATERIALIZE, "a differentiated argument is missing", (), request.summed)
+    if not request.summed:
+        why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
+        return each(MATERIALIZE, "per-example", why)
+    first = _per_example.find_batched(request.example.axes, args, kwargs)
+    if first is None or not first.shape[0]:
+        return each(MATERIALIZE, "per-example", "the batch is empty")
+    scaled = request.clipping is not None or weighted
+
+    def exact() -> bool:
+        return _per_example.summed_is_exact(sums, scaled, args, kwargs)
+
+    def not_linear() -> ValueError:
+        return ValueError(_NOT_LINEAR.format(method=asked))
+
+    if request.clipping is None and sums.metrics is None:
+        if asked != "materialize" and exact():
+            seedable = _per_example.summed_is_exact(sums, True, args, kwargs)
+            return each(PLAIN, "unused", "no clipping and no norms", seedable)
+        if asked in ("two_pass", "chunked"):
+            raise not_linear()
+        why = _ASKED if asked == "materialize" else "the summed loss's gradient is not exact"
+        return each(MATERIALIZE, "per-example", why)
+    if asked == "materialize":
+        return each(MATERIALIZE, "per-example", _ASKED)
+    if asked in ("two_pass", "chunked") and not exact():
+        raise not_linear()
+    if asked == "chunked":
+        return each(CHUNKED, "per-example", _ASKED, True)
+    if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
+        why = (
+            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
+            "gives the norms without them)"
+        )
+        return (
+            each(CHUNKED, "per-example", why, True)
+            if exact()
+            else each(MATERIALIZE, "per-example", why)
+        )
+    program = _per_example.read_program(sums, args, kwargs)
+    if isinstance(program, str):
+        if asked in ("ghost", "two_pass"):
+            raise ValueError(_NO_GHOST.format(method=asked, reason=program))
+        if exact():
+            return each(CHUNKED, "per-example", program, True)
+        return each(MATERIALIZE, "per-example", program)
+    leaves = tuple(
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
+        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
+    )
+    ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)
+    costs = (
+        f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
+    )
+    if asked == "auto" and per_example < ghost:
+        return GradPlan(MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, True, False, layout)
+    why = _ASKED if asked != "auto" else "the ghost norms read this loss"
+    method = TWO_PASS if asked == "two_pass" else GHOST
+    return GradPlan(method, f"{why}: {costs}", leaves, True, asked == "two_pass", layout)
+
+
+def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Callable[..., Any]:
+    """``per_microbatch(plan, weights, *args, **kwargs)``: a microbatch's summed (or
+    averaged) gradient and its per-example ``Aux``, by the plan's method.
+
+    On a sharded batch each shard sums its own rows, and the partial sums stay open, one
+    per shard, until the loop ends.
+    """
+    sums, axes = request.sums(settings), request.example.axes
+    requested, mesh_axes = settings.accumulation_dtype, settings.mesh_axes
+
+    def per_microbatch(plan: GradPlan, weights: Any, *args: Any, **kwargs: Any) -> Any:
+        step = plan.method.step
+        with jax.named_scope("micro_grad_step"):
+            first = _per_example.first_batched(axes, args, kwargs)
+            rows = first.shape[0]
+            where = _layout.shards(first, 0, mesh_axes)
+            if where is None:
+                if plan.seeds(accumulators, weights is not None) and rows:
+                    # The mean's 1/rows seeds the backward pass, rather than scaling its
+                    # result: XLA then adds an embedding's scattered gradient into the
+                    # carry in place, where a scaled one took a copy of the table and
+                    # 2.5x the time.
+                    grads, aux = step(sums, 1 / rows, None, args, kwargs)
+                    return _open_all(grads, requested, None), aux
+                grads, aux = step(sums, None, weights, args, kwargs)
+                if weights is None:
+                    grads = _accumulators.per_row(accumulators, grads, rows)
+                return _open_all(grads, requested, None), aux
+
+            def local(w: Any, *a: Any, **k: Any) -> Any:
+                return step(sums, None, w, a, k)
+
+            grads, aux = _per_example.by_shard(local, axes, where, weights, args, kwargs)
+            grads = _open_all(grads, requested, "sum", where)
+            aux = jax.tree.map(lambda x: _layout.unchunk(x, where), aux)
+            if weights is not None:  # weighted sums: the loop divides means by the weights
+                return grads, aux
+            return _accumulators.per_row(accumulators, grads, rows), aux
+
+    return per_microbatch
+
+
+def _open_all(grads: PyTree, requested: Any, merge: str | None, where: Any = None) -> PyTree:
+    return jax.tree.map(
+        lambda g: _per_example.open_sum(g, requested, merge, where),
+        grads,
+        is_leaf=_layout.is_open,
+    )
