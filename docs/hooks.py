@@ -48,7 +48,9 @@ def on_files(files: Any, *, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     for png in _plots():
-        files.append(File.generated(config, f"{PLOTS_URI}/{png.name}", abs_src_path=str(png)))
+        files.append(
+            File.generated(config, f"{PLOTS_URI}/{png.name}", abs_src_path=str(png))
+        )
     return files
 
 
@@ -69,7 +71,9 @@ def _check_api_coverage(markdown: str) -> None:
     """Warns about each public name that the API page does not render."""
     import microbatching
 
-    shown = set(re.findall(r"^::: microbatching\.(\w+)", markdown, flags=re.MULTILINE))
+    shown = set(
+        re.findall(r"^::: microbatching\.(\w+)", markdown, flags=re.MULTILINE)
+    )
     for name in sorted(set(microbatching.__all__) - shown):
         log.warning(
             f"api.md does not document microbatching.{name}: add '::: microbatching.{name}'"

@@ -140,6 +140,25 @@ def test_nnx_state_mutated_inside_the_loop_gets_a_hint():
     assert any("split the module with `graphdef, state = nnx.split(model)`" in n for n in notes)
 
 
+def test_nnx_batch_stats_merged_without_a_copy_get_a_hint():
+    """Merged inside fun and updated under a jax.grad taken in the loop (BatchNorm in
+    training mode), the statistics are the caller's variables: the note says to merge a
+    copy."""
+    nnx = pytest.importorskip("flax.nnx")
+    norm = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    graphdef, params, stats = nnx.split(norm, nnx.Param, nnx.BatchStat)
+
+    def loss(params, stats, x):
+        model = nnx.merge(graphdef, params, stats)
+        return jnp.sum(model(x) ** 2), nnx.state(model, nnx.BatchStat)
+
+    step = microbatch(jax.grad(loss, has_aux=True), 2, 4, AccumulationType.MEAN)
+    with pytest.raises(Exception, match="Cannot mutate BatchStat") as info:
+        step(params, stats, X)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("nnx.merge(graphdef, state, copy=True)" in n for n in notes)
+
+
 def test_version_matches_the_package_metadata():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert microbatching.__version__ == pyproject["project"]["version"]

@@ -40,7 +40,10 @@ STATE_HINT = (
     "Rngs counter of a Dropout layer), which JAX cannot do from inside a traced loop. Pass "
     "the state in as an argument instead: split the module with `graphdef, state = "
     "nnx.split(model)` and `nnx.merge(graphdef, state)` inside fun, and give each example "
-    "its own PRNG key as a batch argument, e.g. `jax.random.split(key, batch_size)`."
+    "its own PRNG key as a batch argument, e.g. `jax.random.split(key, batch_size)`. If fun "
+    "merges already and updates the state under `jax.grad` (BatchNorm's statistics in "
+    "training mode), merge a copy, `nnx.merge(graphdef, state, copy=True)`, and return the "
+    "updated statistics, e.g. `nnx.state(model, nnx.BatchStat)` with `has_aux=True`."
 )
 
 

@@ -1,0 +1,298 @@
+"""Flax models with state: batch statistics and per-example dropout keys.
+
+What docs/how-to/stateful-models.md and the Flax sections of docs/how-to/randomness.md
+say, each against a reference without the library: the model run microbatch by
+microbatch in a Python loop (microbatch ``k`` of ``n`` is rows ``k::n``), a batch of one
+per example, or clipped ``jax.vmap(jax.grad)`` gradients.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from microbatching import AccumulationType, clipping_report, micro_grad, microbatch
+
+from .strategies import assert_close
+
+nn = pytest.importorskip("flax.linen")
+nnx = pytest.importorskip("flax.nnx")
+
+MEAN = AccumulationType.MEAN
+MOMENTUM = 0.9
+ROWS = 16
+
+
+class Net(nn.Module):
+    """Dense, BatchNorm, ReLU, Dense: a scalar output per row."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        h = nn.Dense(8)(x)
+        h = nn.BatchNorm(use_running_average=not train, momentum=MOMENTUM)(h)
+        return nn.Dense(1)(nn.relu(h))[:, 0]
+
+
+def data(rows: int = ROWS) -> tuple[jax.Array, jax.Array]:
+    """Features away from zero mean and unit variance, and a target of two of them."""
+    x = jnp.asarray(1.0 + 2.0 * np.random.default_rng(0).normal(size=(rows, 4)), jnp.float32)
+    return x, x[:, 0] * x[:, 1]
+
+
+MODEL = Net()
+X, Y = data()
+VARIABLES = MODEL.init(jax.random.key(1), X, train=False)
+PARAMS, STATS = VARIABLES["params"], VARIABLES["batch_stats"]
+
+
+def loss(params: Any, stats: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array, Any]:
+    """The mean squared error in training mode, and the updated batch statistics."""
+    pred, updated = MODEL.apply(
+        {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+    )
+    return jnp.mean((pred - y) ** 2), updated["batch_stats"]
+
+
+def by_hand(parts: list[tuple[jax.Array, jax.Array]]) -> Any:
+    """``((loss, stats), grads)`` of each part, averaged weighted by the part's rows."""
+    outs = [jax.value_and_grad(loss, has_aux=True)(PARAMS, STATS, x, y) for x, y in parts]
+    rows = [x.shape[0] for x, _ in parts]
+    return jax.tree.map(
+        lambda *leaves: sum(r * leaf for r, leaf in zip(rows, leaves, strict=True)) / sum(rows),
+        *outs,
+    )
+
+
+def strided(x: jax.Array, y: jax.Array, size: int) -> list[tuple[jax.Array, jax.Array]]:
+    """The microbatches of ``size`` rows, as the library groups them: ``k::n``."""
+    n = x.shape[0] // size
+    return [(x[k::n], y[k::n]) for k in range(n)]
+
+
+def normalised(x: jax.Array) -> jax.Array:
+    """BatchNorm's input."""
+    return x @ PARAMS["Dense_0"]["kernel"] + PARAMS["Dense_0"]["bias"][None]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("size", [1, 4, ROWS])
+def test_batch_norm_in_microbatch_matches_a_loop_over_its_microbatches(size, jit):
+    step = microbatch(
+        jax.value_and_grad(loss, has_aux=True),
+        argnums=(2, 3),
+        microbatch_size=size,
+        accumulator=MEAN,
+    )
+    got = (jax.jit(step) if jit else step)(PARAMS, STATS, X, Y)
+    assert_close(got, by_hand(strided(X, Y, size)), terms=ROWS // size)
+    # The running mean is the whole batch's update; the running variance is updated by
+    # the mean of the microbatch variances.
+    (_, new), _ = got
+    h, old = normalised(X), STATS["BatchNorm_0"]
+    groups = jnp.stack([rows for rows, _ in strided(h, Y, size)])
+    expected_mean = MOMENTUM * old["mean"] + (1 - MOMENTUM) * h.mean(0)
+    expected_var = MOMENTUM * old["var"] + (1 - MOMENTUM) * groups.var(axis=1).mean(axis=0)
+    assert_close(new["BatchNorm_0"], {"mean": expected_mean, "var": expected_var}, terms=ROWS)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_in_grad_of_microbatch_matches_the_loop(jit):
+    mean_loss = microbatch(loss, argnums=(2, 3), microbatch_size=4, accumulator=(MEAN, MEAN))
+    grad_fn = jax.grad(mean_loss, has_aux=True)
+    grads, stats = (jax.jit(grad_fn) if jit else grad_fn)(PARAMS, STATS, X, Y)
+    (_, expected_stats), expected_grads = by_hand(strided(X, Y, 4))
+    assert_close((grads, stats), (expected_grads, expected_stats), terms=4)
+
+
+def test_batch_norm_with_a_remainder_normalises_the_last_rows_apart():
+    x, y = data(18)  # 4 microbatches of 4 rows k::4 of the first 16, then rows 16 and 17
+    step = microbatch(
+        jax.value_and_grad(loss, has_aux=True),
+        argnums=(2, 3),
+        microbatch_size=4,
+        accumulator=MEAN,
+        allow_remainder=True,
+    )
+    got = jax.jit(step)(PARAMS, STATS, x, y)
+    assert_close(got, by_hand([*strided(x[:16], y[:16], 4), (x[16:], y[16:])]), terms=5)
+    (_, new), _ = got
+    whole_mean = MOMENTUM * STATS["BatchNorm_0"]["mean"] + (1 - MOMENTUM) * normalised(x).mean(0)
+    assert_close(new["BatchNorm_0"]["mean"], whole_mean, terms=18)
+
+
+@pytest.mark.parametrize("l2_clip_norm", [None, 1.0])
+def test_micro_grad_normalises_each_example_alone(l2_clip_norm):
+    """Each example is a batch of one: BatchNorm's output is its bias, every leaf up to
+    it gets a gradient of exactly 0, and each running variance decays by the momentum.
+    No error, no warning (the suite turns warnings into errors)."""
+    grad_fn = micro_grad(
+        loss, has_aux=True, batch_argnums=(2, 3), microbatch_size=4, l2_clip_norm=l2_clip_norm
+    )
+    grads, aux = jax.jit(grad_fn)(PARAMS, STATS, X, Y)
+    zero = jax.tree.map(lambda g: bool(jnp.all(g == 0)), grads)
+    assert zero == {
+        "BatchNorm_0": {"bias": True, "scale": True},
+        "Dense_0": {"bias": True, "kernel": True},
+        "Dense_1": {"bias": False, "kernel": True},
+    }
+    old = STATS["BatchNorm_0"]
+    assert_close(aux.aux["BatchNorm_0"]["var"], jnp.broadcast_to(MOMENTUM * old["var"], (ROWS, 8)))
+    per_example = [loss(PARAMS, STATS, X[b : b + 1], Y[b : b + 1])[0] for b in range(ROWS)]
+    assert_close(aux.values, jnp.stack(per_example))
+
+
+def test_micro_grad_of_an_image_batch_norm_is_the_sum_of_batch_of_one_gradients():
+    """On images the statistics are one example's pixels: an instance normalisation,
+    with gradients that are not zero."""
+
+    class ConvNet(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            h = nn.BatchNorm(use_running_average=not train)(nn.Conv(4, (3, 3))(x))
+            return nn.Dense(1)(nn.relu(h).mean((1, 2)))[:, 0]
+
+    model = ConvNet()
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 6, 1)), jnp.float32)
+    y = jnp.arange(8.0)
+    variables = model.init(jax.random.key(2), x, train=False)
+
+    def image_loss(params, stats, x, y):
+        pred, updated = model.apply(
+            {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - y) ** 2), updated["batch_stats"]
+
+    args = (variables["params"], variables["batch_stats"])
+    grads, _ = jax.jit(micro_grad(image_loss, True, batch_argnums=(2, 3), microbatch_size=4))(
+        *args, x, y
+    )
+    each = [
+        jax.grad(image_loss, has_aux=True)(*args, x[b : b + 1], y[b : b + 1])[0] for b in range(8)
+    ]
+    assert_close(grads, jax.tree.map(lambda *g: sum(g), *each), terms=8)
+    assert float(jnp.max(jnp.abs(grads["Conv_0"]["kernel"]))) > 1e-3
+
+
+@pytest.mark.parametrize("clip_method", ["auto", "materialize"])
+@pytest.mark.parametrize("norm", ["GroupNorm", "LayerNorm"])
+def test_per_example_norms_clip_like_clipped_vmap_grad(norm, clip_method):
+    layer = {"GroupNorm": lambda: nn.GroupNorm(num_groups=2), "LayerNorm": nn.LayerNorm}[norm]
+
+    class NormNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.relu(layer()(nn.Dense(8)(x))))[:, 0]
+
+    model = NormNet()
+    params = model.init(jax.random.key(1), X)["params"]
+
+    def norm_loss(params, x, y):
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    grad_fn = micro_grad(
+        norm_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=4,
+        l2_clip_norm=1.0,
+        clip_method=clip_method,
+    )
+    summed, _ = jax.jit(grad_fn)(params, X, Y)
+    each = jax.vmap(jax.grad(norm_loss), (None, 0, 0))(params, X[:, None], Y[:, None])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(ROWS, -1) ** 2, 1) for g in jax.tree.leaves(each)))
+    assert float(jnp.min(norms)) < 1.0 < float(jnp.max(norms))  # some are clipped, some not
+    scale = jnp.minimum(1.0, 1.0 / norms)
+    assert_close(summed, jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1), each), terms=ROWS)
+    expected = "ghost" if clip_method == "auto" else "materialize"
+    assert clipping_report(grad_fn, params, X, Y).method == expected
+
+
+class NnxNet(nnx.Module):
+    """``Net`` in Flax NNX."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=MOMENTUM, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.hidden(x))))[:, 0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nnx_batch_norm_merged_with_a_copy_matches_the_loop(jit):
+    graphdef, params, stats = nnx.split(NnxNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
+
+    def nnx_loss(params, stats, x, y):
+        model = nnx.merge(graphdef, params, stats, copy=True)
+        return jnp.mean((model(x) - y) ** 2), nnx.state(model, nnx.BatchStat)
+
+    step = microbatch(
+        jax.value_and_grad(nnx_loss, has_aux=True),
+        argnums=(2, 3),
+        microbatch_size=4,
+        accumulator=MEAN,
+    )
+    got = (jax.jit(step) if jit else step)(params, stats, X, Y)
+    outs = [
+        jax.value_and_grad(nnx_loss, has_aux=True)(params, stats, x, y) for x, y in strided(X, Y, 4)
+    ]
+    assert_close(got, jax.tree.map(lambda *leaves: sum(leaves) / 4, *outs), terms=4)
+
+
+class Dropout(nn.Module):
+    """Dense, ReLU, dropout at rate 0.5, Dense."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        h = nn.Dropout(0.5, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
+        return nn.Dense(1)(h)[:, 0]
+
+
+class NnxDropout(nnx.Module):
+    """``Dropout`` in Flax NNX, drawing from the key it is called with."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+        self.out = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x, key):
+        return self.out(self.dropout(nnx.relu(self.hidden(x)), rngs=key))[:, 0]
+
+
+def dropout_loss(api: str) -> tuple[Any, Any]:
+    """``(loss(params, x, y, keys), params)``: each row dropped out with its own key."""
+    if api == "linen":
+        model = Dropout()
+        params = model.init(jax.random.key(1), X, train=False)["params"]
+
+        def row(params, x, key):
+            return model.apply({"params": params}, x[None], train=True, rngs={"dropout": key})
+
+    else:
+        graphdef, params, rest = nnx.split(NnxDropout(nnx.Rngs(1)), nnx.Param, ...)
+
+        def row(params, x, key):
+            return nnx.merge(graphdef, params, rest)(x[None], key)
+
+    def loss(params, x, y, keys):
+        pred = jax.vmap(lambda x, key: row(params, x, key)[0])(x, keys)
+        return jnp.mean((pred - y) ** 2)
+
+    return loss, params
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_flax_dropout_with_per_example_keys_is_the_same_for_every_microbatch_size(api):
+    loss, params = dropout_loss(api)
+    keys = jax.random.split(jax.random.key(2), ROWS)
+    whole = jax.value_and_grad(loss)(params, X, Y, keys)
+    for size in (1, 4):
+        mean_loss = microbatch(loss, argnums=(1, 2, 3), microbatch_size=size, accumulator=MEAN)
+        assert_close(jax.jit(jax.value_and_grad(mean_loss))(params, X, Y, keys), whole, terms=ROWS)
+        grads, _ = jax.jit(
+            micro_grad(loss, batch_argnums=(1, 2, 3), microbatch_size=size, accumulator=MEAN)
+        )(params, X, Y, keys)
+        assert_close(grads, whole[1], terms=ROWS)
