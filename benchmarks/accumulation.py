@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _provenance  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,12 +362,13 @@ def report(argv: Sequence[str], script: str, title: str, results: Path, parts: P
     options = parser.parse_args(argv)
     quick = options.quick
     reps = options.reps or (3 if quick else 21)
+    stamp = _provenance.stamp(script, argv)
     start = time.perf_counter()
     sections = [
         f"# {title}: measured",
         "",
-        f"`{' '.join(['python', f'benchmarks/{script}', *argv])}` on "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {reps} interleaved repetitions.",
+        f"`{stamp.command}` on {jax.devices()[0].device_kind}, {stamp.describe()}, "
+        f"jax {jax.__version__}, {reps} interleaved repetitions.",
     ]
     for part in parts(quick, reps):
         sections += ["", part()]
@@ -374,7 +376,7 @@ def report(argv: Sequence[str], script: str, title: str, results: Path, parts: P
     sections += ["", f"Total time {time.perf_counter() - start:.0f} s."]
     output = options.output or (None if quick else results)
     if output is not None:
-        output.write_text("\n".join(sections) + "\n")
+        _provenance.write(output, "\n".join(sections) + "\n", stamp)
         print(f"Wrote {output}.")
 
 

@@ -1,5 +1,7 @@
 """Compares ``microbatching`` with ``optax.microbatching``, ``jax.lax.map``, a hand-written
-dynamic-slice ``fori_loop`` and the un-microbatched function, on the same workloads.
+dynamic-slice ``fori_loop`` and the un-microbatched function, on the same workloads: a
+reduction (a), a per-example output (b), clipped per-example gradients (c) and gradient
+accumulation (d).
 
 All implementations of a workload are timed in one process, interleaved: every repetition
 calls each of them once, in a random order (fixed seed) that changes from one repetition to
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _provenance  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,6 +267,57 @@ def grad_workload(shrink: int) -> Workload:
     )
 
 
+# --- Workload d: gradient accumulation of the same MLP --------------------------------
+
+ACCUMULATION_EXAMPLES, ACCUMULATION_MICROBATCH = 8192, 256
+
+
+def _lax_map_mean_grad(params: Params, x: jax.Array, y: jax.Array) -> Params:
+    """The gradient of the mean of the per-example losses that ``lax.map`` computes."""
+
+    def mean_loss(params: Params) -> jax.Array:
+        def one(xy: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return _loss(params, xy[0][None], xy[1][None])
+
+        return jnp.mean(jax.lax.map(one, (x, y), batch_size=ACCUMULATION_MICROBATCH))
+
+    return jax.grad(mean_loss)(params)
+
+
+def _fori_mean_grad(params: Params, x: jax.Array, y: jax.Array) -> Params:
+    """Contiguous microbatches: each one's gradient summed in the carry, then averaged."""
+    m, count = ACCUMULATION_MICROBATCH, x.shape[0] // ACCUMULATION_MICROBATCH
+
+    def body(i: Any, total: Params) -> Params:
+        xs, ys = (jax.lax.dynamic_slice_in_dim(a, i * m, m) for a in (x, y))
+        return jax.tree.map(jnp.add, total, jax.grad(_loss)(params, xs, ys))
+
+    total = jax.lax.fori_loop(0, count, body, jax.tree.map(jnp.zeros_like, params))
+    return jax.tree.map(lambda g: g / count, total)
+
+
+def accumulation_workload(shrink: int) -> Workload:
+    """(d) ``microbatch(jax.grad(loss), MEAN)``: the mean gradient, a microbatch at a time."""
+    m, examples = ACCUMULATION_MICROBATCH, ACCUMULATION_EXAMPLES // shrink
+    grad = jax.grad(_loss)
+    return Workload(
+        name="d. microbatch, MEAN: gradient accumulation",
+        description=f"The gradient of the mean softmax cross-entropy of the MLP "
+        f"{INPUTS}-{UNITS}-{CLASSES} of c, batch {examples}, microbatch {m} "
+        f"({examples // m} microbatches): `microbatch(jax.grad(loss), MEAN)` in both "
+        "libraries; lax.map maps the per-example loss and `jax.grad` differentiates the "
+        "mean of the mapped losses.",
+        fns={
+            OURS: mb.microbatch(grad, (1, 2), m, mb.AccumulationType.MEAN),
+            OPTAX: optax_mb.microbatch(grad, (1, 2), m, optax_mb.AccumulationType.MEAN),
+            LAX_MAP: _lax_map_mean_grad,
+            FORI: _fori_mean_grad,
+            WHOLE: grad,
+        },
+        args=_mlp_args(examples),
+    )
+
+
 # --- Measurement ----------------------------------------------------------------------
 
 
@@ -333,6 +387,13 @@ def paired_ratio(times: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
+def ratio_cell(times: Sequence[float], base: Sequence[float]) -> str:
+    """``paired_ratio`` with the quartiles of the per-repetition ratios."""
+    ratios = [t / b for t, b in zip(times, base, strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return f"{paired_ratio(times, base):.2f}x [{q1:.2f}, {q3:.2f}]"
+
+
 def table(result: Result) -> str:
     """A markdown section: one row per implementation."""
     ours = result.seconds[OURS]
@@ -342,13 +403,13 @@ def table(result: Result) -> str:
         "",
         result.workload.description,
         "",
-        "| implementation | median ms | min ms | time / ours | temp MiB |",
+        "| implementation | median ms | min ms | time / ours [quartiles] | temp MiB |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, times in result.seconds.items():
         lines.append(
             f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f} "
-            f"| {paired_ratio(times, ours):.2f} | {temp[name]:.1f} |"
+            f"| {ratio_cell(times, ours)} | {temp[name]:.1f} |"
         )
     versus_fori = paired_ratio(ours, result.seconds[FORI])
     verdict = "within" if versus_fori <= 1.10 else "NOT within"
@@ -369,7 +430,7 @@ def footer(seconds: float) -> str:
     return f"Total time: {seconds:.0f} s; load average at end {load}.\n"
 
 
-def header(reps: int, warmup: int) -> str:
+def header(reps: int, warmup: int, stamp: _provenance.Stamp) -> str:
     """What ran, where and when."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -378,7 +439,8 @@ def header(reps: int, warmup: int) -> str:
         [
             "# microbatching benchmarks",
             "",
-            f"jax {jax.__version__}, optax {optax.__version__}, numpy {np.__version__}, "
+            f"{stamp.describe()}; jax {jax.__version__}, optax {optax.__version__}, "
+            f"numpy {np.__version__}, "
             f"backend {jax.default_backend()}, {os.cpu_count()} CPUs, {now}, "
             f"load average at start {load}.",
             f"Command: `{command}`; {reps} interleaved repetitions after {warmup + 1} warm-up "
@@ -411,16 +473,17 @@ def main(argv: Sequence[str]) -> None:
     warmup = 0 if options.quick else 1  # on top of the call that checks the outputs
     shrink = 4 if options.quick else 1
     output = options.output or (None if options.quick else RESULTS)
+    stamp = _provenance.stamp(__file__, argv)
     start = time.perf_counter()
-    sections = [header(reps, warmup)]
+    sections = [header(reps, warmup, stamp)]
     print(sections[0], flush=True)
-    for make in (reduction_workload, concat_workload, grad_workload):
+    for make in (reduction_workload, concat_workload, grad_workload, accumulation_workload):
         sections.append(table(run_workload(make(shrink), reps, warmup)))
         print(sections[-1], flush=True)
     sections.append(footer(time.perf_counter() - start))
     print(sections[-1], flush=True)
     if output is not None:
-        output.write_text("\n".join(sections))
+        _provenance.write(output, "\n".join(sections), stamp)
         print(f"Wrote {output}.")
 
 

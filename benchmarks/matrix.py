@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _provenance  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -506,7 +507,7 @@ def family_table(family: Family, settings: Settings) -> str:
 # --- Report ---------------------------------------------------------------------------
 
 
-def header(settings: Settings) -> str:
+def header(settings: Settings, stamp: _provenance.Stamp) -> str:
     """What ran, where and when, and what the columns are."""
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -527,7 +528,8 @@ def header(settings: Settings) -> str:
         [
             "# The benchmark matrix",
             "",
-            f"jax {jax.__version__}, numpy {np.__version__}, backend {jax.default_backend()}, "
+            f"{stamp.describe()}; jax {jax.__version__}, numpy {np.__version__}, "
+            f"backend {jax.default_backend()}, "
             f"{os.cpu_count()} CPUs, {now}, load average at start {load}.",
             f"Command: `{command}`; interleaved repetitions per path: {reps}, after one "
             "warm-up call (the check) each. Times are wall-clock per call.",
@@ -591,9 +593,10 @@ def families(quick: bool) -> list[Family]:
 def main(argv: Sequence[str]) -> None:
     """Runs every family's table and prints (and writes) the report."""
     options = parse_args(argv)
+    stamp = _provenance.stamp(__file__, argv)
     start = time.perf_counter()
     settings = settings_of(options.quick, options.reps)
-    sections = [header(settings)]
+    sections = [header(settings, stamp)]
     print(sections[0], flush=True)
     for family in families(options.quick):
         sections += [family_table(family, settings), ""]
@@ -603,7 +606,7 @@ def main(argv: Sequence[str]) -> None:
     print(sections[-1])
     output = options.output or (None if options.quick else RESULTS)
     if output is not None:
-        output.write_text("\n".join(sections) + "\n")
+        _provenance.write(output, "\n".join(sections) + "\n", stamp)
         print(f"Wrote {output}.")
 
 

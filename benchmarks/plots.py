@@ -22,8 +22,11 @@ whole-batch reference of a microbatch sweep: a line and a band). Temp memory is 
 with a row for 0 below it. A full run takes about 3 minutes on 2 CPU cores, most of it
 compiling.
 
-Writes ``benchmarks/plots/{time,temp}_vs_{batch,microbatch}_{workload}.png`` and a 2x2
-``benchmarks/plots/{workload}.png`` of the same four panels.
+Writes ``benchmarks/plots/{workload}.png``: four panels (time and temp memory, against
+batch size and against microbatch size), 8 inches wide, lettered so that they read at the
+width of the docs' content column (about 700 pixels), and the legend below them. Each PNG
+carries the run's provenance stamp in a text chunk (``benchmarks/_provenance.py``), and
+its title the library's version and commit.
 
 Usage: ``python benchmarks/plots.py [--quick] [--reps N] [--out DIR] [--only WORKLOAD]``.
 ``--quick`` (two points per axis, 3 repetitions, under a minute) writes to a fresh temporary
@@ -46,6 +49,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _provenance  # benchmarks/ is on sys.path when run as a script
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -76,6 +80,15 @@ import microbatching as mb
 PLOTS = Path(__file__).resolve().parent / "plots"
 Fn = Callable[..., Any]
 Build = Callable[[int, int], tuple[dict[str, Fn], tuple[Any, ...]]]
+# Sizes in points for an 8-inch figure shown about 700 pixels wide: 11 points are 13 pixels.
+FONTS: dict[Any, Any] = {
+    "font.size": 11,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+    "figure.titlesize": 11,
+}
 STYLE: dict[str, dict[str, Any]] = {
     OURS: {"color": "tab:blue", "marker": "o", "linestyle": "-", "zorder": 4},
     OPTAX: {"color": "tab:orange", "marker": "s", "linestyle": "-", "zorder": 3},
@@ -424,15 +437,15 @@ def panel(ax: Axes, workload: Workload, axis: str, quantity: str, data: Sweep) -
     ax.set_xticks(list(xs), [_size_label(x) for x in xs])
     ax.xaxis.set_minor_locator(NullLocator())
     if along_batch:
-        ax.set_xlabel(f"batch size (examples), microbatch {workload.micro}")
+        ax.set_xlabel(f"batch size (microbatch {workload.micro})")
     else:
-        ax.set_xlabel(f"microbatch size (examples), batch {workload.batch}")
+        ax.set_xlabel(f"microbatch size (batch {_size_label(workload.batch)})")
     if quantity == "time":
         ax.set_yscale("log")
         _time_ticks(ax)
-        ax.set_ylabel("time per call (ms): median, IQR bars")
+        ax.set_ylabel("ms per call")
     else:
-        ax.set_ylabel("compiled temp memory (KiB, MiB)")
+        ax.set_ylabel("compiled temp memory")
     ax.grid(True, which="major", alpha=0.3)
     ax.grid(True, which="minor", alpha=0.1)
     return handles
@@ -452,42 +465,27 @@ def _time_ticks(ax: Axes) -> None:
     ax.set_ylim(low, high)
 
 
-def save_panels(workload: Workload, data: dict[str, Sweep], out: Path, reps: int) -> list[Path]:
-    """Writes the four single-panel PNGs and the 2x2 PNG of ``workload``."""
-    written = []
-    what = {"time": "Time", "temp": "Compiled temp memory"}
-    for quantity in ("time", "temp"):
-        for axis in ("batch", "microbatch"):
-            fig, ax = plt.subplots(figsize=(7.5, 5.0), layout="constrained")
-            handles = panel(ax, workload, axis, quantity, data[axis])
-            reps_note = f", median of {reps} interleaved reps" if quantity == "time" else ""
-            ax.set_title(
-                f"{workload.title}\n{what[quantity]} vs {axis} size; {machine()}{reps_note}",
-                fontsize=9,
-            )
-            labels = [workload.labels[name] for name in data[axis]]
-            fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8)
-            path = out / f"{quantity}_vs_{axis}_{workload.key}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
-    fig, axes = plt.subplots(2, 2, figsize=(12.5, 9.0), layout="constrained")
-    handles = []
-    for row, quantity in enumerate(("time", "temp")):
-        for col, axis in enumerate(("batch", "microbatch")):
-            drawn = panel(axes[row][col], workload, axis, quantity, data[axis])
-            handles = handles or drawn  # the batch-size time panel's, with error bars
-    labels = [workload.labels[name] for name in data["batch"]]
-    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=9)
-    fig.suptitle(
-        f"{workload.title}\n{machine()}; times: median and IQR of {reps} interleaved reps",
-        fontsize=11,
-    )
-    path = out / f"{workload.key}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
-    return written
+def save_figure(
+    workload: Workload, data: dict[str, Sweep], out: Path, reps: int, stamp: _provenance.Stamp
+) -> Path:
+    """Writes the four panels of ``workload`` to ``out/{workload.key}.png``."""
+    with plt.rc_context(FONTS):
+        fig, axes = plt.subplots(2, 2, figsize=(8.0, 8.4), layout="constrained")
+        handles = []
+        for row, quantity in enumerate(("time", "temp")):
+            for col, axis in enumerate(("batch", "microbatch")):
+                drawn = panel(axes[row][col], workload, axis, quantity, data[axis])
+                handles = handles or drawn  # the batch-size time panel's, with error bars
+        labels = [workload.labels[name] for name in data["batch"]]
+        fig.legend(handles, labels, loc="outside lower center", ncols=1)
+        fig.suptitle(
+            f"{workload.title}\n{machine()}, {stamp.describe()}\n"
+            f"times: median and quartiles of {reps} interleaved repetitions"
+        )
+        path = out / f"{workload.key}.png"
+        fig.savefig(path, dpi=150, metadata={_provenance.PNG_KEY: str(stamp)})
+        plt.close(fig)
+    return path
 
 
 # --- Command line -----------------------------------------------------------------------
@@ -514,6 +512,7 @@ def main(argv: Sequence[str]) -> None:
         Path(tempfile.mkdtemp(prefix="microbatching-plots-")) if options.quick else PLOTS
     )
     out.mkdir(parents=True, exist_ok=True)
+    stamp = _provenance.stamp(__file__, argv)
     start = time.perf_counter()
     print(f"{machine()}; {reps} reps; writing to {out}", flush=True)
     for workload in workloads(options.quick):
@@ -521,8 +520,7 @@ def main(argv: Sequence[str]) -> None:
             continue
         measurer = Measurer(workload, reps, warmup)
         data = {axis: measurer.sweep(axis) for axis in ("batch", "microbatch")}
-        for path in save_panels(workload, data, out, reps):
-            print(f"  wrote {path}", flush=True)
+        print(f"  wrote {save_figure(workload, data, out, reps, stamp)}", flush=True)
     print(f"Total time: {time.perf_counter() - start:.0f} s.")
 
 

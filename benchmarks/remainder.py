@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from accumulation import (  # benchmarks/ is on sys.path when run as a script
     Fn,
     data,
@@ -63,6 +64,13 @@ def forward(params: Any, x: jax.Array) -> jax.Array:
         h = jax.nn.relu(h @ w + b)
     w, b = params[-1]
     return h @ w + b
+
+
+def assert_close(got: Any, want: Any, what: str) -> None:
+    """Every leaf of ``got`` equals ``want``'s to float32 rounding."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(np.max(np.abs(np.asarray(b)))) or 1.0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=what)
 
 
 def padded(x: jax.Array, rows: int) -> jax.Array:
@@ -139,16 +147,16 @@ def evaluation(sizes: Sequence[int], rows: int, size: int, reps: int) -> str:
         f"`jax.lax.map(batch_size={size})`, {rows} rows": (lax_map, (params, x, y)),
         whole: (accuracy(), (params, x, y)),
     }
-    got = {
-        name: float(jax.jit(fn)(*args))
-        for name, (fn, args) in ways.items()
-        if "divisible" not in name
-    }
+    got = {name: float(jax.jit(fn)(*args)) for name, (fn, args) in ways.items()}
+    same = [value for name, value in got.items() if "divisible" not in name]
+    np.testing.assert_allclose(same, got[whole], rtol=1e-6, err_msg="accuracy over all rows")
+    right = int(jnp.sum(jax.vmap(correct, (None, 0, 0))(params, x, y)))
     title = (
         f"MLP {'-'.join(map(str, sizes))}, mean accuracy over {rows} rows = {full} x {size} + "
-        f"{rest}, {reps} repetitions. Accuracy: "
-        + ", ".join(f"{value:.4%}" for value in got.values())
-        + " (the rows below the first, in order)."
+        f"{rest}, {reps} repetitions. Every way over the {rows} rows gives the same "
+        f"accuracy, {got[whole]:.2%} ({right} rows right; equal to 1e-6), so they compute "
+        f"the same mean. The first way, over {even} rows, leaves out the last {rest}: it "
+        "shows what the loop costs without a remainder."
     )
     return table(title, ways, reps, whole)
 
@@ -193,29 +201,30 @@ def gradients(rows: int, size: int, reps: int) -> str:
     ways: dict[str, tuple[Fn, tuple[Any, ...]]] = {}
     for clip in (None, 1.0):
         label = "MEAN" if clip is None else "`l2_clip_norm=1.0`"
-        grads = mb.micro_grad(
-            loss, batch_argnums=(1, 2), microbatch_size=size, accumulator=MEAN, l2_clip_norm=clip
-        )
+        options: dict[str, Any] = {"accumulator": MEAN, "l2_clip_norm": clip}
+        grads = mb.micro_grad(loss, batch_argnums=(1, 2), microbatch_size=size, **options)
         rest = mb.micro_grad(
-            loss,
-            batch_argnums=(1, 2),
-            microbatch_size=size,
-            accumulator=MEAN,
-            l2_clip_norm=clip,
-            allow_remainder=True,
+            loss, batch_argnums=(1, 2), microbatch_size=size, allow_remainder=True, **options
         )
 
         def masked(params: Any, x: jax.Array, y: jax.Array, m: jax.Array, grads: Fn = grads) -> Any:
             return grads(params, x, y, example_weights=m)
 
+        with_rest = jax.jit(rest)(params, x, y)[0]
+        assert_close(with_rest, jax.jit(masked)(*args_pad)[0], f"{label}: remainder, mask")
+        if clip is None:
+            assert_close(with_rest, jax.grad(loss)(params, x, y), "MEAN against jax.grad")
         ways[f"{label}, {even} rows (divisible)"] = (grads, args_even)
         ways[f"{label}, `allow_remainder=True`, {rows} rows"] = (rest, (params, x, y))
         ways[f"{label}, padded to {cap}, `example_weights=mask`"] = (masked, args_pad)
+    clipped = mb.micro_grad(loss, batch_argnums=(1, 2), microbatch_size=size, l2_clip_norm=1.0)
+    report = mb.clipping_report(clipped, *args_even)
     base = f"MEAN, {even} rows (divisible)"
     title = (
         f"`micro_grad`, MLP 784-512-512-10, {rows} = {full} x {size} + {rows - even} examples, "
-        f"{reps} repetitions. `l2_clip_norm` forms per-example gradients for the norms, so its "
-        "loops include the chunks of those."
+        f"{reps} repetitions. `l2_clip_norm=1.0` computes the clipped sum by "
+        f"`{report.method}` ({report.reason}). The gradient with a remainder equals the one "
+        "with a mask, and MEAN's equals `jax.grad` over the whole batch."
     )
     return table(title, ways, reps, base)
 

@@ -1,10 +1,9 @@
 """MkDocs hooks (``hooks:`` in mkdocs.yml) and a griffe extension for the API reference.
 
-* The plots that ``make bench`` writes to ``benchmarks/plots/*.png`` are not in the
-  repository. When they exist, they are copied into the site and shown on the benchmarks
-  page where it has the ``<!-- benchmark plots -->`` marker: the one-figure-per-workload
-  summaries (names without ``_vs_``) if there are any, else every PNG. When none exist,
-  the marker becomes a note saying how to make them.
+* The plots that ``make bench`` writes to ``benchmarks/plots/*.png`` are copied into the
+  site under ``benchmarks/plots/``, where the pages of ``docs/benchmarks/`` show them as
+  ``plots/<name>.png``. A page that shows a plot ``make bench`` no longer writes is a
+  broken link, so ``mkdocs build --strict`` fails.
 * A name in ``microbatching.__all__`` that the API page does not render with
   ``::: microbatching.<name>`` is a warning, so ``mkdocs build --strict`` fails.
 * A line that ends with ``<!-- GitHub only -->`` is dropped from the site: pages that need
@@ -26,28 +25,15 @@ import griffe
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = ROOT / "benchmarks" / "plots"
 PLOTS_URI = "benchmarks/plots"
-MARKER = "<!-- benchmark plots -->"
 GITHUB_ONLY = re.compile(r"^.*<!-- GitHub only -->[ \t]*\n?", flags=re.MULTILINE)
-NO_PLOTS = (
-    '!!! note "No plots yet"\n'
-    "    `make bench` writes the plots to `benchmarks/plots/`; the next `make docs` shows"
-    " them here.\n"
-)
 log = logging.getLogger(f"mkdocs.hooks.{__name__}")
-
-
-def _plots() -> list[Path]:
-    """The PNGs to show: the per-workload summaries if there are any, else all."""
-    pngs = sorted(PLOTS.glob("*.png"))
-    summaries = [png for png in pngs if "_vs_" not in png.stem]
-    return summaries or pngs
 
 
 def on_files(files: Any, *, config: Any) -> Any:
     """Adds the plots to the site's files, under ``benchmarks/plots/``."""
     from mkdocs.structure.files import File
 
-    for png in _plots():
+    for png in sorted(PLOTS.glob("*.png")):
         files.append(
             File.generated(config, f"{PLOTS_URI}/{png.name}", abs_src_path=str(png))
         )
@@ -55,16 +41,11 @@ def on_files(files: Any, *, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> str:
-    """Drops the notes for GitHub, puts the plots (or a note) at the marker, and checks
-    the API page's coverage."""
+    """Drops the notes for GitHub and checks the API page's coverage."""
     markdown = GITHUB_ONLY.sub("", markdown)
     if page.file.src_uri == "api.md":
         _check_api_coverage(markdown)
-    if MARKER not in markdown:
-        return markdown
-    plots = _plots()
-    images = "\n\n".join(f"![{png.stem}]({PLOTS_URI}/{png.name})" for png in plots)
-    return markdown.replace(MARKER, images if plots else NO_PLOTS)
+    return markdown
 
 
 def _check_api_coverage(markdown: str) -> None:

@@ -96,4 +96,4 @@ def test_pages_with_site_only_syntax_start_with_a_note_for_github():
             assert note.startswith("> ") and "make serve" in note, page
             assert note.endswith("<!-- GitHub only -->"), page
             assert note not in hooks.GITHUB_ONLY.sub("", text), page
-    assert {"api.md", "benchmarks.md", "how-to/multi-device.md"} <= set(noted)
+    assert {"api.md", "benchmarks/matrix.md", "how-to/multi-device.md"} <= set(noted)
