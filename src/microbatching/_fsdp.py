@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _layout, _sharding
-from ._accumulators import AccumulationType
+from . import _accumulators, _layout, _sharding
+from ._accumulators import AccumulationType, PerShard
 from ._typing import PyTree
 
 
@@ -260,34 +260,47 @@ def layout(
     return Layout(axes, where.count, where.entry, tuple(homes), trade, per_shard)
 
 
-KINDS = (
-    AccumulationType.SUM,
-    AccumulationType.MEAN,
-    AccumulationType.MAX,
-    AccumulationType.MIN,
-    AccumulationType.CONCAT,
-)
-"""The accumulators the per-shard loop computes: each device folds its rows, and one
-collective per leaf combines the devices (``combine``)."""
-
-
 def _is_kind(x: Any) -> bool:
     return isinstance(x, AccumulationType)
 
 
-def supports(accumulators: Any, count: Any, kinds: tuple[AccumulationType, ...]) -> bool:
-    """Whether the per-shard loop computes this call: built-in ``kinds`` over all rows
-    (means divided afterwards by the global count or weight), without a bound."""
+def _per_shard(kind: Any) -> PerShard | None:
+    """How the loop per shard computes ``kind`` (``Kind.per_shard``); None for a kind it
+    does not compute, or a custom ``Accumulator``."""
+    return _accumulators.KINDS[kind].per_shard if _is_kind(kind) else None
+
+
+def _computed(kind: Any) -> PerShard:
+    """``kind``'s ``PerShard``, for a call that ``supports`` has let through."""
+    per_shard = _per_shard(kind)
+    if per_shard is None:
+        raise ValueError(f"the loop per shard does not compute {kind!r}; ask supports first.")
+    return per_shard
+
+
+def supports(accumulators: Any, count: Any, kinds: Any = None) -> bool:
+    """Whether the per-shard loop computes this call: every accumulator a built-in kind
+    it computes (``Kind.per_shard``), without a bound on the microbatches that run.
+    ``kinds``: transitional (``KINDS``)."""
     leaves = jax.tree.leaves(accumulators, is_leaf=_is_kind)
-    return count is None and all(k in kinds for k in leaves)
+    computed = count is None and all(_per_shard(k) is not None for k in leaves)
+    return computed and (kinds is None or all(k in kinds for k in leaves))
+
+
+def supports_summed(accumulators: Any, count: Any) -> bool:
+    """Whether the per-shard loop computes this call from each shard's summed gradient:
+    as ``supports``, with every kind linear (SUM and MEAN)."""
+    return supports(accumulators, count) and _accumulators.is_linear(accumulators)
 
 
 def local_kinds(accumulators: Any) -> Any:
-    """The accumulators each device folds its rows with: a MEAN is a SUM until
-    ``combine`` divides it by the whole batch's rows or weights."""
+    """The accumulators each device folds its rows with (``PerShard.fold``): a MEAN is a
+    SUM until ``combine`` divides it by the whole batch's rows or weights. Kinds the loop
+    per shard does not compute are left as they are."""
 
     def local(kind: Any) -> Any:
-        return AccumulationType.SUM if kind is AccumulationType.MEAN else kind
+        per_shard = _per_shard(kind)
+        return kind if per_shard is None else per_shard.fold
 
     return jax.tree.map(local, accumulators, is_leaf=_is_kind)
 
@@ -295,21 +308,16 @@ def local_kinds(accumulators: Any) -> Any:
 def combine(
     accumulators: Any, outs: PyTree, total: Any, axes: tuple[str, ...], reduced: bool = False
 ) -> PyTree:
-    """The devices' folds of their rows combined by kind: sums and means added (means
-    then divided by ``total``), maxima and minima taken, concatenations left sharded.
-    ``reduced``: the sums are reduced already (``Layout.reduce``)."""
+    """The devices' folds of their rows combined by kind, with its ``PerShard.collective``
+    over ``axes`` (none leaves them sharded), means then divided by ``total``.
+    ``reduced``: the devices' sums are combined already (``Layout.reduce``)."""
     kinds, treedef = jax.tree.flatten(accumulators, is_leaf=_is_kind)
     parts = treedef.flatten_up_to(outs)
 
     def one(kind: Any, x: Any) -> Any:
-        if kind is AccumulationType.MAX:
-            return jax.lax.pmax(x, axes)
-        if kind is AccumulationType.MIN:
-            return jax.lax.pmin(x, axes)
-        if kind is AccumulationType.CONCAT:
-            return x
-        x = x if reduced else jax.lax.psum(x, axes)
-        return x / total.astype(x.dtype) if kind is AccumulationType.MEAN else x
+        collective = _computed(kind).collective
+        x = x if reduced or collective is None else collective(x, axes)
+        return x / total.astype(x.dtype) if _accumulators.KINDS[kind].rows == "mean" else x
 
     out = [
         jax.tree.map(functools.partial(one, kind), part)
@@ -319,13 +327,14 @@ def combine(
 
 
 def out_specs(accumulators: Any, entry: Any) -> Any:
-    """The shard_map output specs of the accumulated results, as a prefix tree: a
-    concatenation stays split by rows, everything else is whole on every device."""
-    return jax.tree.map(
-        lambda k: PartitionSpec(entry) if k is AccumulationType.CONCAT else PartitionSpec(),
-        accumulators,
-        is_leaf=_is_kind,
-    )
+    """The shard_map output specs of the accumulated results, as a prefix tree: a kind
+    without a collective stays split by rows, the others are whole on every device."""
+
+    def spec(kind: Any) -> PartitionSpec:
+        split = _computed(kind).collective is None
+        return PartitionSpec(entry) if split else PartitionSpec()
+
+    return jax.tree.map(spec, accumulators, is_leaf=_is_kind)
 
 
 def gathered_once(
@@ -496,3 +505,14 @@ def whole_over_batch_axes(
     args = tuple(a if batched(i) else jax.tree.map(whole, a) for i, a in enumerate(args))
     kwargs = {k: v if batched(k) else jax.tree.map(whole, v) for k, v in kwargs.items()}
     return args, kwargs
+
+
+# Transitional: what _grad calls until it calls supports(accumulators, count) and
+# supports_summed(accumulators, count) (issue 23 item 4); delete with ``supports``'s kinds.
+KINDS = (
+    AccumulationType.SUM,
+    AccumulationType.MEAN,
+    AccumulationType.MAX,
+    AccumulationType.MIN,
+    AccumulationType.CONCAT,
+)
