@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,31 +40,58 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _accumulators, _layout, _sharding
+from . import _accumulators, _checks, _layout, _sharding
 from ._accumulators import AccumulationType, PerShard
-from ._typing import PyTree
+from ._typing import GatherParams, PyTree, ReduceGradients
 
 
 class UnseenLayoutWarning(UserWarning):
     """Large differentiated arguments whose layout ``micro_grad`` cannot read."""
 
 
-GATHER = ("once", "per_microbatch")
-REDUCE = ("per_microbatch", "after_loop")
+GATHER: tuple[GatherParams, ...] = typing.get_args(GatherParams)
+REDUCE: tuple[ReduceGradients, ...] = typing.get_args(ReduceGradients)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Trade:
-    """The user's choice of collectives against memory (``micro_grad``'s options).
+    """The user's choice of collectives against memory: ``micro_grad``'s
+    ``gather_params`` and ``reduce_gradients``, normalised once (``ensure_trade``).
 
     Attributes:
-      gather: ``gather_params``, one of ``GATHER``.
-      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch when a
-        parameter is sharded over the batch's axes, else after the loop.
+      gather_per_microbatch: ``gather_params="per_microbatch"``: the parameters are
+        gathered inside each microbatch; else once, before the loop.
+      reduce_per_microbatch: ``reduce_gradients="per_microbatch"`` (True) or
+        ``"after_loop"`` (False); None where not given: per microbatch when a parameter
+        is sharded over the batch's axes, else after the loop (``layout`` resolves it).
     """
 
-    gather: str = "once"
-    reduce: str | None = None
+    gather_per_microbatch: bool
+    reduce_per_microbatch: bool | None
+
+    def __init__(
+        self,
+        gather_per_microbatch: bool | str = False,
+        reduce_per_microbatch: bool | str | None = None,
+    ) -> None:
+        # Transitional: also the strings that _grad passes until it calls ensure_trade
+        # (issue 23 item 4); delete with ``init=False``.
+        if isinstance(gather_per_microbatch, str):
+            gather_per_microbatch = gather_per_microbatch == "per_microbatch"
+        if isinstance(reduce_per_microbatch, str):
+            reduce_per_microbatch = reduce_per_microbatch == "per_microbatch"
+        object.__setattr__(self, "gather_per_microbatch", gather_per_microbatch)
+        object.__setattr__(self, "reduce_per_microbatch", reduce_per_microbatch)
+
+
+def ensure_trade(gather_params: Any, reduce_gradients: Any) -> Trade:
+    """``gather_params`` (one of ``GATHER``) and ``reduce_gradients`` (one of ``REDUCE``,
+    or None), checked when ``micro_grad`` wraps the function."""
+    gather = _checks.ensure_choice("gather_params", gather_params, GATHER)
+    if reduce_gradients is None:
+        return Trade(gather == "per_microbatch")
+    reduce = _checks.ensure_choice("reduce_gradients", reduce_gradients, REDUCE)
+    return Trade(gather == "per_microbatch", reduce == "per_microbatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +117,11 @@ class Layout:
 
     @property
     def reduce_per_microbatch(self) -> bool:
-        return self.trade.reduce == "per_microbatch"
+        return bool(self.trade.reduce_per_microbatch)
 
     @property
     def gather_per_microbatch(self) -> bool:
-        return self.trade.gather == "per_microbatch"
+        return self.trade.gather_per_microbatch
 
     def gather(self, args: tuple[Any, ...], nums: tuple[int, ...]) -> tuple[Any, ...]:
         """``args`` with the differentiated ones made whole over ``axes`` (inside the
@@ -255,8 +283,8 @@ def layout(
         )
     if not (sharded or (unknown and not where.explicit)):
         return None
-    reduce = trade.reduce or ("per_microbatch" if sharded else "after_loop")
-    trade = Trade(trade.gather, reduce)
+    reduce = sharded if trade.reduce_per_microbatch is None else trade.reduce_per_microbatch
+    trade = dataclasses.replace(trade, reduce_per_microbatch=reduce)
     return Layout(axes, where.count, where.entry, tuple(homes), trade, per_shard)
 
 
