@@ -255,7 +255,7 @@ def layout(
         if spec is None:
             unseen += math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
         unknown = unknown or spec is None
-        full = [] if spec is None else list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
+        full = [] if spec is None else _sharding.entries(spec, jnp.ndim(leaf))
         home, others = [], False
         for entry in full:
             names = _names(entry)
@@ -390,7 +390,7 @@ def _whole_over(x: Any, axes: tuple[str, ...]) -> Any:
     spec = spec_of(x)
     if spec is None:
         return x
-    have = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    have = _sharding.entries(spec, jnp.ndim(x))
     kept = [_entry(n for n in _names(e) if n not in axes) for e in have]
     if kept == have:
         return x
@@ -436,8 +436,8 @@ def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
     sharding = _sharding.explicit_sharding(x)
     if sharding is None:
         return x
-    have = _sharding.spec_of(sharding, jnp.ndim(x))
-    want = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    have = _sharding.entries(sharding.spec, jnp.ndim(x))
+    want = _sharding.entries(spec, jnp.ndim(x))
     target = []
     for current, wanted in zip(have, want, strict=True):
         target.append(_entry([n for n in _names(current) if n not in axes] + [*_names(wanted)]))
@@ -525,7 +525,7 @@ def whole_over_batch_axes(
     sharding = _sharding.explicit_sharding(leaves[0]) if leaves else None
     if sharding is None:
         return args, kwargs
-    axes = _names(_sharding.spec_of(sharding, jnp.ndim(leaves[0]))[0])
+    axes = _names(_sharding.entries(sharding.spec, jnp.ndim(leaves[0]))[0])
     if not axes:
         return args, kwargs
 
