@@ -27,7 +27,8 @@ Count: TypeAlias = int | np.integer | jax.Array | None
 ClipMethod: TypeAlias = Literal["auto", "ghost", "two_pass", "chunked", "materialize"]
 """``micro_grad``'s ``clip_method``."""
 GatherParams: TypeAlias = Literal["once", "per_microbatch"]
-"""``micro_grad``'s ``gather_params``."""
+"""``micro_grad``'s ``gather_params``, in the order ``plan`` prefers them (fewer
+collectives first)."""
 ReduceGradients: TypeAlias = Literal["per_microbatch", "after_loop"]
 """``micro_grad``'s ``reduce_gradients`` (or None, its default)."""
 
