@@ -195,6 +195,37 @@ def test_forward_mode_under_jit_is_refused_by_jax_s_own_error(data):
         jax.jit(lambda p: jax.jvp(lambda p: fused(p, x, y), (p,), (p,)))(params)
 
 
+def test_forward_mode_that_reaches_no_input_runs(data):
+    """Just outside the refusal: a jvp around the call whose tangent the inputs do not carry."""
+    params, x, y = data
+    fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
+    got = jax.jvp(lambda s: s * fused(params, x, y), (2.0,), (1.0,))
+    loss = mlp_loss(params, x, y)
+    assert_close(got, (2 * loss, loss), terms=3)
+
+
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_a_type_error_of_fun_is_its_own_whatever_its_text(data, mode):
+    """The refusal is told by forward mode reaching the inputs after the forward rule
+    returned, not by an error's text: fun's own TypeError, raised in the loop, passes."""
+    params, x, y = data
+    calls = []
+
+    def fails_in_the_loop(params, x, y):  # the first trace finds closed-over values
+        calls.append(None)
+        if len(calls) > 1:
+            raise TypeError("fun's own: forward-mode")
+        return mlp_loss(params, x, y)
+
+    fused = microbatch(fails_in_the_loop, (1, 2), 4, MEAN, fused_gradient=True)
+    run = {
+        "grad": lambda: jax.grad(fused)(params, x, y),
+        "jvp": lambda: jax.jvp(lambda p: fused(p, x, y), (params,), (params,)),
+    }[mode]
+    with pytest.raises(TypeError, match=r"^fun's own: forward-mode"):
+        run()
+
+
 @pytest.mark.parametrize("accumulator", [AccumulationType.MAX, AccumulationType.CONCAT])
 def test_accumulators_that_do_not_commute_with_gradients_are_refused(accumulator):
     with pytest.raises(ValueError, match=r"fused_gradient=True .* only the gradient .* SUM, MEAN"):

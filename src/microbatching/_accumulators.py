@@ -341,6 +341,23 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
+class PerShard:
+    """How the loop per shard computes a kind (``_fsdp``): each device folds its own rows
+    of every microbatch, then one collective per leaf combines the devices.
+
+    Attributes:
+      fold: The kind each device folds its rows with: a MEAN is a SUM until the devices
+        combine, then divided by the whole batch's rows or weight (as every kind whose
+        ``Kind.rows`` is ``"mean"``).
+      collective: Combines the devices' folds over the batch's mesh axes (``psum``,
+        ``pmax``, ``pmin``); None leaves them split by rows, as the batch is (CONCAT).
+    """
+
+    fold: AccumulationType
+    collective: Callable[[Any, tuple[str, ...]], Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Kind:
     """What one ``AccumulationType`` means, in one place.
 
@@ -353,19 +370,29 @@ class Kind:
         rows where ``rows`` is ``"mean"``.
       build: The accumulator over microbatches, from the split, the accumulation dtype
         and the mesh axes the rows are sharded over.
+      per_shard: How the loop per shard computes it; None where that loop does not
+        (RUNNING_MEAN, whose carry is a mean so far, not a sum the devices could add),
+        and the call runs on the global arrays.
     """
 
     rows: str | None
     linear: bool
     build: Callable[[Split, Any, Any], Accumulator]
+    per_shard: PerShard | None
 
 
 KINDS: dict[AccumulationType, Kind] = {
-    AccumulationType.SUM: Kind("sum", True, lambda split, dtype, axes: sum_(dtype, axes)),
+    AccumulationType.SUM: Kind(
+        "sum",
+        True,
+        lambda split, dtype, axes: sum_(dtype, axes),
+        PerShard(AccumulationType.SUM, jax.lax.psum),
+    ),
     AccumulationType.MEAN: Kind(
         "mean",
         True,
         lambda split, dtype, axes: mean(split.num_microbatches, dtype, axes, split.weighting),
+        PerShard(AccumulationType.SUM, jax.lax.psum),
     ),
     AccumulationType.RUNNING_MEAN: Kind(
         "mean",
@@ -373,15 +400,27 @@ KINDS: dict[AccumulationType, Kind] = {
         lambda split, dtype, axes: running_mean(
             split.num_microbatches, dtype, axes, split.weighting
         ),
+        None,
     ),
-    AccumulationType.MAX: Kind("max", False, lambda split, dtype, axes: extremum("max", axes)),
-    AccumulationType.MIN: Kind("min", False, lambda split, dtype, axes: extremum("min", axes)),
+    AccumulationType.MAX: Kind(
+        "max",
+        False,
+        lambda split, dtype, axes: extremum("max", axes),
+        PerShard(AccumulationType.MAX, jax.lax.pmax),
+    ),
+    AccumulationType.MIN: Kind(
+        "min",
+        False,
+        lambda split, dtype, axes: extremum("min", axes),
+        PerShard(AccumulationType.MIN, jax.lax.pmin),
+    ),
     AccumulationType.CONCAT: Kind(
         None,
         False,
         lambda split, dtype, axes: concat(
             split.num_microbatches, split.remainder, split.microbatch_size
         ),
+        PerShard(AccumulationType.CONCAT, None),
     ),
 }
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,31 +40,58 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _layout, _sharding
-from ._accumulators import AccumulationType
-from ._typing import PyTree
+from . import _accumulators, _checks, _layout, _sharding
+from ._accumulators import AccumulationType, PerShard
+from ._typing import GatherParams, PyTree, ReduceGradients
 
 
 class UnseenLayoutWarning(UserWarning):
     """Large differentiated arguments whose layout ``micro_grad`` cannot read."""
 
 
-GATHER = ("once", "per_microbatch")
-REDUCE = ("per_microbatch", "after_loop")
+GATHER: tuple[GatherParams, ...] = typing.get_args(GatherParams)
+REDUCE: tuple[ReduceGradients, ...] = typing.get_args(ReduceGradients)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Trade:
-    """The user's choice of collectives against memory (``micro_grad``'s options).
+    """The user's choice of collectives against memory: ``micro_grad``'s
+    ``gather_params`` and ``reduce_gradients``, normalised once (``ensure_trade``).
 
     Attributes:
-      gather: ``gather_params``, one of ``GATHER``.
-      reduce: ``reduce_gradients``, one of ``REDUCE``, or None: per microbatch when a
-        parameter is sharded over the batch's axes, else after the loop.
+      gather_per_microbatch: ``gather_params="per_microbatch"``: the parameters are
+        gathered inside each microbatch; else once, before the loop.
+      reduce_per_microbatch: ``reduce_gradients="per_microbatch"`` (True) or
+        ``"after_loop"`` (False); None where not given: per microbatch when a parameter
+        is sharded over the batch's axes, else after the loop (``layout`` resolves it).
     """
 
-    gather: str = "once"
-    reduce: str | None = None
+    gather_per_microbatch: bool
+    reduce_per_microbatch: bool | None
+
+    def __init__(
+        self,
+        gather_per_microbatch: bool | str = False,
+        reduce_per_microbatch: bool | str | None = None,
+    ) -> None:
+        # Transitional: also the strings that _grad passes until it calls ensure_trade
+        # (issue 23 item 4); delete with ``init=False``.
+        if isinstance(gather_per_microbatch, str):
+            gather_per_microbatch = gather_per_microbatch == "per_microbatch"
+        if isinstance(reduce_per_microbatch, str):
+            reduce_per_microbatch = reduce_per_microbatch == "per_microbatch"
+        object.__setattr__(self, "gather_per_microbatch", gather_per_microbatch)
+        object.__setattr__(self, "reduce_per_microbatch", reduce_per_microbatch)
+
+
+def ensure_trade(gather_params: Any, reduce_gradients: Any) -> Trade:
+    """``gather_params`` (one of ``GATHER``) and ``reduce_gradients`` (one of ``REDUCE``,
+    or None), checked when ``micro_grad`` wraps the function."""
+    gather = _checks.ensure_choice("gather_params", gather_params, GATHER)
+    if reduce_gradients is None:
+        return Trade(gather == "per_microbatch")
+    reduce = _checks.ensure_choice("reduce_gradients", reduce_gradients, REDUCE)
+    return Trade(gather == "per_microbatch", reduce == "per_microbatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +117,11 @@ class Layout:
 
     @property
     def reduce_per_microbatch(self) -> bool:
-        return self.trade.reduce == "per_microbatch"
+        return bool(self.trade.reduce_per_microbatch)
 
     @property
     def gather_per_microbatch(self) -> bool:
-        return self.trade.gather == "per_microbatch"
+        return self.trade.gather_per_microbatch
 
     def gather(self, args: tuple[Any, ...], nums: tuple[int, ...]) -> tuple[Any, ...]:
         """``args`` with the differentiated ones made whole over ``axes`` (inside the
@@ -227,7 +255,7 @@ def layout(
         if spec is None:
             unseen += math.prod(jnp.shape(leaf)) * jnp.dtype(jnp.result_type(leaf)).itemsize
         unknown = unknown or spec is None
-        full = [] if spec is None else list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
+        full = [] if spec is None else _sharding.entries(spec, jnp.ndim(leaf))
         home, others = [], False
         for entry in full:
             names = _names(entry)
@@ -255,39 +283,52 @@ def layout(
         )
     if not (sharded or (unknown and not where.explicit)):
         return None
-    reduce = trade.reduce or ("per_microbatch" if sharded else "after_loop")
-    trade = Trade(trade.gather, reduce)
+    reduce = sharded if trade.reduce_per_microbatch is None else trade.reduce_per_microbatch
+    trade = dataclasses.replace(trade, reduce_per_microbatch=reduce)
     return Layout(axes, where.count, where.entry, tuple(homes), trade, per_shard)
-
-
-KINDS = (
-    AccumulationType.SUM,
-    AccumulationType.MEAN,
-    AccumulationType.MAX,
-    AccumulationType.MIN,
-    AccumulationType.CONCAT,
-)
-"""The accumulators the per-shard loop computes: each device folds its rows, and one
-collective per leaf combines the devices (``combine``)."""
 
 
 def _is_kind(x: Any) -> bool:
     return isinstance(x, AccumulationType)
 
 
-def supports(accumulators: Any, count: Any, kinds: tuple[AccumulationType, ...]) -> bool:
-    """Whether the per-shard loop computes this call: built-in ``kinds`` over all rows
-    (means divided afterwards by the global count or weight), without a bound."""
+def _per_shard(kind: Any) -> PerShard | None:
+    """How the loop per shard computes ``kind`` (``Kind.per_shard``); None for a kind it
+    does not compute, or a custom ``Accumulator``."""
+    return _accumulators.KINDS[kind].per_shard if _is_kind(kind) else None
+
+
+def _computed(kind: Any) -> PerShard:
+    """``kind``'s ``PerShard``, for a call that ``supports`` has let through."""
+    per_shard = _per_shard(kind)
+    if per_shard is None:
+        raise ValueError(f"the loop per shard does not compute {kind!r}; ask supports first.")
+    return per_shard
+
+
+def supports(accumulators: Any, count: Any, kinds: Any = None) -> bool:
+    """Whether the per-shard loop computes this call: every accumulator a built-in kind
+    it computes (``Kind.per_shard``), without a bound on the microbatches that run.
+    ``kinds``: transitional (``KINDS``)."""
     leaves = jax.tree.leaves(accumulators, is_leaf=_is_kind)
-    return count is None and all(k in kinds for k in leaves)
+    computed = count is None and all(_per_shard(k) is not None for k in leaves)
+    return computed and (kinds is None or all(k in kinds for k in leaves))
+
+
+def supports_summed(accumulators: Any, count: Any) -> bool:
+    """Whether the per-shard loop computes this call from each shard's summed gradient:
+    as ``supports``, with every kind linear (SUM and MEAN)."""
+    return supports(accumulators, count) and _accumulators.is_linear(accumulators)
 
 
 def local_kinds(accumulators: Any) -> Any:
-    """The accumulators each device folds its rows with: a MEAN is a SUM until
-    ``combine`` divides it by the whole batch's rows or weights."""
+    """The accumulators each device folds its rows with (``PerShard.fold``): a MEAN is a
+    SUM until ``combine`` divides it by the whole batch's rows or weights. Kinds the loop
+    per shard does not compute are left as they are."""
 
     def local(kind: Any) -> Any:
-        return AccumulationType.SUM if kind is AccumulationType.MEAN else kind
+        per_shard = _per_shard(kind)
+        return kind if per_shard is None else per_shard.fold
 
     return jax.tree.map(local, accumulators, is_leaf=_is_kind)
 
@@ -295,21 +336,16 @@ def local_kinds(accumulators: Any) -> Any:
 def combine(
     accumulators: Any, outs: PyTree, total: Any, axes: tuple[str, ...], reduced: bool = False
 ) -> PyTree:
-    """The devices' folds of their rows combined by kind: sums and means added (means
-    then divided by ``total``), maxima and minima taken, concatenations left sharded.
-    ``reduced``: the sums are reduced already (``Layout.reduce``)."""
+    """The devices' folds of their rows combined by kind, with its ``PerShard.collective``
+    over ``axes`` (none leaves them sharded), means then divided by ``total``.
+    ``reduced``: the devices' sums are combined already (``Layout.reduce``)."""
     kinds, treedef = jax.tree.flatten(accumulators, is_leaf=_is_kind)
     parts = treedef.flatten_up_to(outs)
 
     def one(kind: Any, x: Any) -> Any:
-        if kind is AccumulationType.MAX:
-            return jax.lax.pmax(x, axes)
-        if kind is AccumulationType.MIN:
-            return jax.lax.pmin(x, axes)
-        if kind is AccumulationType.CONCAT:
-            return x
-        x = x if reduced else jax.lax.psum(x, axes)
-        return x / total.astype(x.dtype) if kind is AccumulationType.MEAN else x
+        collective = _computed(kind).collective
+        x = x if reduced or collective is None else collective(x, axes)
+        return x / total.astype(x.dtype) if _accumulators.KINDS[kind].rows == "mean" else x
 
     out = [
         jax.tree.map(functools.partial(one, kind), part)
@@ -319,13 +355,14 @@ def combine(
 
 
 def out_specs(accumulators: Any, entry: Any) -> Any:
-    """The shard_map output specs of the accumulated results, as a prefix tree: a
-    concatenation stays split by rows, everything else is whole on every device."""
-    return jax.tree.map(
-        lambda k: PartitionSpec(entry) if k is AccumulationType.CONCAT else PartitionSpec(),
-        accumulators,
-        is_leaf=_is_kind,
-    )
+    """The shard_map output specs of the accumulated results, as a prefix tree: a kind
+    without a collective stays split by rows, the others are whole on every device."""
+
+    def spec(kind: Any) -> PartitionSpec:
+        split = _computed(kind).collective is None
+        return PartitionSpec(entry) if split else PartitionSpec()
+
+    return jax.tree.map(spec, accumulators, is_leaf=_is_kind)
 
 
 def gathered_once(
@@ -353,7 +390,7 @@ def _whole_over(x: Any, axes: tuple[str, ...]) -> Any:
     spec = spec_of(x)
     if spec is None:
         return x
-    have = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    have = _sharding.entries(spec, jnp.ndim(x))
     kept = [_entry(n for n in _names(e) if n not in axes) for e in have]
     if kept == have:
         return x
@@ -399,8 +436,8 @@ def _onto(x: Any, spec: PartitionSpec, axes: tuple[str, ...]) -> Any:
     sharding = _sharding.explicit_sharding(x)
     if sharding is None:
         return x
-    have = _sharding.spec_of(sharding, jnp.ndim(x))
-    want = list(spec) + [None] * (jnp.ndim(x) - len(spec))
+    have = _sharding.entries(sharding.spec, jnp.ndim(x))
+    want = _sharding.entries(spec, jnp.ndim(x))
     target = []
     for current, wanted in zip(have, want, strict=True):
         target.append(_entry([n for n in _names(current) if n not in axes] + [*_names(wanted)]))
@@ -488,7 +525,7 @@ def whole_over_batch_axes(
     sharding = _sharding.explicit_sharding(leaves[0]) if leaves else None
     if sharding is None:
         return args, kwargs
-    axes = _names(_sharding.spec_of(sharding, jnp.ndim(leaves[0]))[0])
+    axes = _names(_sharding.entries(sharding.spec, jnp.ndim(leaves[0]))[0])
     if not axes:
         return args, kwargs
 
@@ -496,3 +533,14 @@ def whole_over_batch_axes(
     args = tuple(a if batched(i) else jax.tree.map(whole, a) for i, a in enumerate(args))
     kwargs = {k: v if batched(k) else jax.tree.map(whole, v) for k, v in kwargs.items()}
     return args, kwargs
+
+
+# Transitional: what _grad calls until it calls supports(accumulators, count) and
+# supports_summed(accumulators, count) (issue 23 item 4); delete with ``supports``'s kinds.
+KINDS = (
+    AccumulationType.SUM,
+    AccumulationType.MEAN,
+    AccumulationType.MAX,
+    AccumulationType.MIN,
+    AccumulationType.CONCAT,
+)

@@ -27,6 +27,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.interpreters.ad import JVPTracer
 
 from . import _accumulators, _batch, _sharding
 from ._loop import loop
@@ -68,6 +69,8 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
         program = _Program(fun, leaves, tree, arrays)
         hoisted = program.closed_over_tracers(axes, args, kwargs, settings.size)
         count = len(arrays)
+        inputs = (*(leaves[i] for i in arrays), *hoisted)
+        forward_ran: list[bool] = []  # an entry each time run_fwd returns
 
         @jax.custom_vjp
         def run(*values: Any) -> Any:
@@ -87,24 +90,26 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
             # Which inputs were differentiated, and the manual axes each varies over, ride
             # in the residuals' structure (dictionary keys, no arrays): each call of this
             # rule (one per order of differentiation) hands its own to its backward rule.
-            inputs = {(j, _sharding.varying(jax.typeof(values[j]))): None for j in differentiated}
-            return value, (gradients, inputs)
+            wrt = {(j, _sharding.varying(jax.typeof(values[j]))): None for j in differentiated}
+            forward_ran.append(True)
+            return value, (gradients, wrt)
 
         def run_bwd(residuals: Any, cotangent: Any) -> tuple[Any, ...]:
-            gradients, inputs = residuals
+            gradients, wrt = residuals
             summed = _scaled_sum(gradients, cotangent)
             out: list[Any] = [None] * (count + len(hoisted))
             if summed is None:  # no cotangent reached an output
                 return tuple(out)
-            for (j, manual), g in zip(sorted(inputs), summed, strict=True):
+            for (j, manual), g in zip(sorted(wrt), summed, strict=True):
                 out[j] = _as_varying(g, manual)
             return tuple(out)
 
         run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
         try:
-            return run(*(leaves[i] for i in arrays), *hoisted)
+            return run(*inputs)
         except TypeError as err:
-            if "forward-mode" not in str(err):
+            # Under forward mode, after the forward rule: JAX refusing the tangent.
+            if not (forward_ran and _forward_mode(inputs)):
                 raise
             raise TypeError(
                 f"{OPTION} computes the gradient in the forward loop for reverse mode only "
@@ -193,6 +198,14 @@ class _Program:
             return out, grads
 
         return body
+
+
+def _forward_mode(inputs: tuple[Any, ...]) -> bool:
+    """Whether an input carries a tangent of forward-mode differentiation (``jax.jvp``,
+    ``jax.jacfwd``; reverse mode carries tracers of its own). JAX then runs the forward
+    rule and refuses to push the tangent through a ``custom_vjp``: outside ``jit`` at
+    once, in the call, with a ``TypeError``; under ``jit`` when the program runs."""
+    return any(isinstance(x, JVPTracer) for x in inputs)
 
 
 def _per_output_vjps(scalars: list[Any], vjp: Any) -> list[Any]:

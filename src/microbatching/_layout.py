@@ -122,7 +122,7 @@ def shards(leaf: Any, axis: int, mesh_axes: tuple[str, ...] | None) -> Shards | 
     """
     sharding = _sharding.explicit_sharding(leaf)
     if sharding is not None:
-        entry = _sharding.spec_of(sharding, leaf.ndim)[axis]
+        entry = _sharding.entries(sharding.spec, leaf.ndim)[axis]
         count = _sharding.num_shards(sharding, entry)
         return Shards(count, entry, True) if count > 1 else None
     if not mesh_axes:
@@ -158,7 +158,7 @@ def chunk(x: jax.Array, axis: int, where: Shards) -> jax.Array:
     spec = [*[None] * axis, where.entry]
     sharding = _sharding.explicit_sharding(x) if where.explicit else None
     if sharding is not None:
-        full = _sharding.spec_of(sharding, x.ndim)
+        full = _sharding.entries(sharding.spec, x.ndim)
         return jnp.reshape(
             x,
             shape,
@@ -176,7 +176,7 @@ def unchunk(x: jax.Array, where: Shards) -> jax.Array:
     shape = (x.shape[0] * x.shape[1], *x.shape[2:])
     sharding = _sharding.explicit_sharding(x) if where.explicit else None
     if sharding is not None:
-        full = _sharding.spec_of(sharding, x.ndim)
+        full = _sharding.entries(sharding.spec, x.ndim)
         return jnp.reshape(
             x, shape, out_sharding=_sharding.with_spec(sharding, [full[0], *full[2:]])
         )
@@ -248,7 +248,7 @@ def split(leaf: Any, axis: int, microbatch_size: int, label: str = "") -> jax.Ar
     sharding = check_shards(leaf, axis, microbatch_size, label)
     if sharding is None:
         return jnp.reshape(leaf, new_shape)
-    spec = _sharding.spec_of(sharding, len(shape))
+    spec = _sharding.entries(sharding.spec, len(shape))
     out = _sharding.with_spec(sharding, [*spec[:axis], spec[axis], None, *spec[axis + 1 :]])
     return jnp.reshape(leaf, new_shape, out_sharding=out)
 
@@ -259,7 +259,7 @@ def check_shards(leaf: Any, axis: int, microbatch_size: int, label: str) -> Any:
     sharding = _sharding.explicit_sharding(leaf)
     if sharding is None:
         return None
-    spec = _sharding.spec_of(sharding, leaf.ndim)
+    spec = _sharding.entries(sharding.spec, leaf.ndim)
     shards = _sharding.num_shards(sharding, spec[axis])
     if microbatch_size % shards:
         raise ValueError(
@@ -353,7 +353,7 @@ def take_rows(leaf: Any, axis: int, indices: jax.Array) -> jax.Array:
     sharding = _sharding.explicit_sharding(leaf)
     if sharding is None:
         return jnp.take(leaf, indices, axis=axis, mode="clip", indices_are_sorted=True)
-    spec = _sharding.spec_of(sharding, leaf.ndim)
+    spec = _sharding.entries(sharding.spec, leaf.ndim)
     entry = (
         spec[axis] if indices.shape[0] % _sharding.num_shards(sharding, spec[axis]) == 0 else None
     )

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import operator
+import typing
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ import numpy as np
 
 from . import _checks, _sharding
 from ._signature import OPTIONS
+from ._typing import GatherParams
 
 Build = Callable[..., Callable[..., Any]]
 """``build(microbatch_size)``, or ``build(microbatch_size, gather_params=...)``."""
@@ -221,13 +223,13 @@ def plan(
     """
     _checks.ensure_callable("build", build)
     labels, specs, treedef = _specs(args, kwargs)
-    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, _gathers(build)[0])))
+    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, GATHER.tried(build)[0])))
     remainder = _remainder(allow_remainder, batching)
     size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
     measured = _measure_all(build, treedef, specs, size, sizes)
-    table = tuple(PlanRow(*m[:6], fits=m[4] <= budget, gather_params=m[6]) for m in measured)
+    table = tuple(m.row(budget) for m in measured)
     fitting = [row for row in table if row.fits]
     best = fitting[-1].microbatch_size if fitting else None
     gather = next((row.gather_params for row in fitting if row.microbatch_size == best), None)
@@ -452,15 +454,62 @@ def _limit(device: Any) -> int:
     return int(stats["bytes_limit"])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Keyword:
+    """A keyword of ``build``'s that ``plan`` compiles every size with each value of,
+    when ``build`` takes it.
+
+    Attributes:
+      name: The keyword.
+      values: Its values, in the order the table lists them.
+    """
+
+    name: str
+    values: tuple[Any, ...]
+
+    def tried(self, build: Build) -> tuple[Any, ...]:
+        """``values`` if ``build`` takes the keyword, else ``(None,)``: without it."""
+        try:
+            takes = self.name in inspect.signature(build).parameters
+        except (TypeError, ValueError):  # builtins may have no signature
+            takes = False
+        return self.values if takes else (None,)
+
+    def call(self, build: Build, m: int | None, value: Any) -> Any:
+        """``build(m)``, given the keyword's ``value`` unless it is None."""
+        return build(m) if value is None else build(m, **{self.name: value})
+
+
+GATHER = _Keyword("gather_params", typing.get_args(GatherParams))
+"""``micro_grad``'s ``gather_params``: at the chosen size the plan takes the first value
+that fits, in ``GatherParams``'s order (``"once"``, fewer collectives, first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What one candidate's compiled program costs: a ``PlanRow`` before the budget."""
+
+    microbatch_size: int | None
+    num_microbatches: int
+    temp_bytes: int
+    argument_bytes: int
+    total_bytes: int
+    flops: float | None
+    gather_params: str | None
+
+    def row(self, budget: int) -> PlanRow:
+        """The table's row, which says whether the total fits ``budget``."""
+        return PlanRow(**dataclasses.asdict(self), fits=self.total_bytes <= budget)
+
+
 def _measure_all(
     build: Build,
     treedef: Any,
     specs: list[jax.ShapeDtypeStruct],
     batch_size: int,
     sizes: tuple[int | None, ...],
-) -> list[tuple[Any, ...]]:
-    """``(microbatch_size, num_microbatches, temp, arguments, total, flops, gather)`` of
-    each candidate, and of each ``gather_params`` when ``build`` takes it."""
+) -> list[_Measured]:
+    """Each candidate's costs, and each ``gather_params``'s when ``build`` takes it."""
     args, kwargs = jax.tree.unflatten(treedef, specs)
     key = (treedef, tuple(specs), batch_size, jax.sharding.get_abstract_mesh())
     with _sharding.mesh_of(specs):
@@ -471,21 +520,12 @@ def _measure_all(
                 functools.partial(_measure, build, m, g, batch_size, args, kwargs),
             )
             for m in sizes
-            for g in _gathers(build)
+            for g in GATHER.tried(build)
         ]
 
 
-def _gathers(build: Build) -> tuple[str | None, ...]:
-    """The ``gather_params`` to try: both, if ``build`` takes that keyword."""
-    try:
-        takes = "gather_params" in inspect.signature(build).parameters
-    except (TypeError, ValueError):  # builtins may have no signature
-        takes = False
-    return ("once", "per_microbatch") if takes else (None,)
-
-
 def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[..., Any]:
-    fun = build(m) if gather is None else build(m, gather_params=gather)
+    fun = GATHER.call(build, m, gather)
     if not callable(fun):
         raise TypeError(
             f"build must return the function to run, but build({m}) returned {fun!r}; "
@@ -496,7 +536,7 @@ def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[.
 
 def _measure(
     build: Build, m: int | None, gather: str | None, batch_size: int, args: Any, kwargs: Any
-) -> tuple[Any, ...]:
+) -> _Measured:
     fun = _built(build, m, gather)
     try:
         compiled = jax.jit(fun).lower(*args, **kwargs).compile()
@@ -516,8 +556,15 @@ def _measure(
         - memory.alias_size_in_bytes
     )
     n = 1 if m is None else -(-batch_size // m)
-    arguments = memory.argument_size_in_bytes
-    return m, n, memory.temp_size_in_bytes, arguments, total, _flops(compiled, n), gather
+    return _Measured(
+        microbatch_size=m,
+        num_microbatches=n,
+        temp_bytes=memory.temp_size_in_bytes,
+        argument_bytes=memory.argument_size_in_bytes,
+        total_bytes=total,
+        flops=_flops(compiled, n),
+        gather_params=gather,
+    )
 
 
 def _flops(compiled: Any, num_microbatches: int) -> float | None:

@@ -22,10 +22,10 @@ def explicit_sharding(x: Any) -> NamedSharding | None:
     return None
 
 
-def spec_of(sharding: NamedSharding, ndim: int) -> list[Any]:
-    """The partition spec as a list with one entry per axis."""
-    spec = list(sharding.spec)
-    return spec + [None] * (ndim - len(spec))
+def entries(spec: PartitionSpec, ndim: int) -> list[Any]:
+    """A partition spec as a list with one entry per axis of an ``ndim``-dimensional
+    array (None for the axes it leaves out)."""
+    return [*spec, *[None] * (ndim - len(spec))]
 
 
 def with_spec(sharding: NamedSharding, spec: list[Any]) -> NamedSharding:

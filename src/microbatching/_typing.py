@@ -1,13 +1,10 @@
 """Type aliases shared by the package."""
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeAlias, Union
+from typing import Any, Literal, ParamSpec, Protocol, TypeAlias
 
 import jax
 import numpy as np
-
-if TYPE_CHECKING:
-    from ._accumulators import AccumulationType, Accumulator
 
 P = ParamSpec("P")
 """The parameters of the wrapped function, kept by the wrappers."""
@@ -30,13 +27,15 @@ Count: TypeAlias = int | np.integer | jax.Array | None
 ClipMethod: TypeAlias = Literal["auto", "ghost", "two_pass", "chunked", "materialize"]
 """``micro_grad``'s ``clip_method``."""
 GatherParams: TypeAlias = Literal["once", "per_microbatch"]
-"""``micro_grad``'s ``gather_params``."""
+"""``micro_grad``'s ``gather_params``, in the order ``plan`` prefers them (fewer
+collectives first)."""
 ReduceGradients: TypeAlias = Literal["per_microbatch", "after_loop"]
 """``micro_grad``'s ``reduce_gradients`` (or None, its default)."""
 
 
 class _KindLike(Protocol):
-    """A member of an accumulation-kind enum: ours, or optax.microbatching's."""
+    """A member of an accumulation-kind enum: ``AccumulationType``'s, or
+    optax.microbatching's."""
 
     @property
     def name(self) -> str: ...
@@ -46,7 +45,8 @@ class _KindLike(Protocol):
 
 
 class _AccumulatorLike(Protocol):
-    """An accumulator made of four functions: ours, or optax.microbatching's."""
+    """An accumulator made of four functions: an ``Accumulator``, or
+    optax.microbatching's."""
 
     @property
     def init(self) -> Callable[..., Any]: ...
@@ -61,14 +61,10 @@ class _AccumulatorLike(Protocol):
     def aggregate(self) -> Callable[..., Any]: ...
 
 
-AccumulatorTree: TypeAlias = Union[
-    "AccumulationType",
-    "Accumulator",
-    _KindLike,
-    _AccumulatorLike,
-    Sequence["AccumulatorTree"],
-    Mapping[Any, "AccumulatorTree"],
-]
+AccumulatorTree: TypeAlias = (
+    _KindLike | _AccumulatorLike | Sequence["AccumulatorTree"] | Mapping[Any, "AccumulatorTree"]
+)
 """An accumulation kind, a custom ``Accumulator`` (ours or optax.microbatching's), or a
 pytree prefix of the output made of them; a string such as ``"mean"`` is a type error
-(use ``AccumulationType.MEAN``)."""
+(use ``AccumulationType.MEAN``). Both are named by their shape (``_KindLike``,
+``_AccumulatorLike``), which ours have, so that this module imports none of the package."""
