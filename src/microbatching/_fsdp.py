@@ -53,7 +53,7 @@ GATHER: tuple[GatherParams, ...] = typing.get_args(GatherParams)
 REDUCE: tuple[ReduceGradients, ...] = typing.get_args(ReduceGradients)
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class Trade:
     """The user's choice of collectives against memory: ``micro_grad``'s
     ``gather_params`` and ``reduce_gradients``, normalised once (``ensure_trade``).
@@ -66,22 +66,8 @@ class Trade:
         is sharded over the batch's axes, else after the loop (``layout`` resolves it).
     """
 
-    gather_per_microbatch: bool
-    reduce_per_microbatch: bool | None
-
-    def __init__(
-        self,
-        gather_per_microbatch: bool | str = False,
-        reduce_per_microbatch: bool | str | None = None,
-    ) -> None:
-        # Transitional: also the strings that _grad passes until it calls ensure_trade
-        # (issue 23 item 4); delete with ``init=False``.
-        if isinstance(gather_per_microbatch, str):
-            gather_per_microbatch = gather_per_microbatch == "per_microbatch"
-        if isinstance(reduce_per_microbatch, str):
-            reduce_per_microbatch = reduce_per_microbatch == "per_microbatch"
-        object.__setattr__(self, "gather_per_microbatch", gather_per_microbatch)
-        object.__setattr__(self, "reduce_per_microbatch", reduce_per_microbatch)
+    gather_per_microbatch: bool = False
+    reduce_per_microbatch: bool | None = None
 
 
 def ensure_trade(gather_params: Any, reduce_gradients: Any) -> Trade:
@@ -306,13 +292,11 @@ def _computed(kind: Any) -> PerShard:
     return per_shard
 
 
-def supports(accumulators: Any, count: Any, kinds: Any = None) -> bool:
+def supports(accumulators: Any, count: Any) -> bool:
     """Whether the per-shard loop computes this call: every accumulator a built-in kind
-    it computes (``Kind.per_shard``), without a bound on the microbatches that run.
-    ``kinds``: transitional (``KINDS``)."""
+    it computes (``Kind.per_shard``), without a bound on the microbatches that run."""
     leaves = jax.tree.leaves(accumulators, is_leaf=_is_kind)
-    computed = count is None and all(_per_shard(k) is not None for k in leaves)
-    return computed and (kinds is None or all(k in kinds for k in leaves))
+    return count is None and all(_per_shard(k) is not None for k in leaves)
 
 
 def supports_summed(accumulators: Any, count: Any) -> bool:
@@ -533,14 +517,3 @@ def whole_over_batch_axes(
     args = tuple(a if batched(i) else jax.tree.map(whole, a) for i, a in enumerate(args))
     kwargs = {k: v if batched(k) else jax.tree.map(whole, v) for k, v in kwargs.items()}
     return args, kwargs
-
-
-# Transitional: what _grad calls until it calls supports(accumulators, count) and
-# supports_summed(accumulators, count) (issue 23 item 4); delete with ``supports``'s kinds.
-KINDS = (
-    AccumulationType.SUM,
-    AccumulationType.MEAN,
-    AccumulationType.MAX,
-    AccumulationType.MIN,
-    AccumulationType.CONCAT,
-)

@@ -196,12 +196,7 @@ def micro_grad(
         _checks.ensure_bool("allow_remainder", allow_remainder),
     )
     clipping = _clipping_of(l2_clip_norm, rescale_to_unit_norm, normalize_by, nan_safe)
-    trade = _fsdp.Trade(
-        _checks.ensure_choice("gather_params", gather_params, _fsdp.GATHER),
-        None
-        if reduce_gradients is None
-        else _checks.ensure_choice("reduce_gradients", reduce_gradients, _fsdp.REDUCE),
-    )
+    trade = _fsdp.ensure_trade(gather_params, reduce_gradients)
     specs = _fsdp.ensure_specs(param_specs)
     method = _checks.ensure_choice("clip_method", clip_method, CLIP_METHODS)
     request = _methods.GradRequest(
@@ -231,14 +226,14 @@ class _Calls:
             self.looped = _vmap.loop_over(
                 _methods.summed(request, kinds, settings), example.axes, settings
             )
-            self.per_shard = _fsdp.supports(kinds, settings.count, _fsdp.KINDS[:2])
+            self.per_shard = _fsdp.supports_summed(kinds, settings.count)
             self.local_step = _methods.summed(request, self.folds, self.local)
         else:
             one = _per_example.per_example(
                 example, request.clipping, request.transform, request.metrics
             )
             self.looped = _vmap.build(one, example.axes, jax.vmap, settings)
-            self.per_shard = _fsdp.supports(kinds, settings.count, _fsdp.KINDS)
+            self.per_shard = _fsdp.supports(kinds, settings.count)
             folded = dataclasses.replace(
                 self.local, accumulator=(self.folds, AccumulationType.CONCAT)
             )
