@@ -5,6 +5,7 @@ Compiled memory and cost analyses are deterministic, so these are structural fac
 
 import gc
 import math
+import re
 import weakref
 
 import jax
@@ -24,6 +25,8 @@ from microbatching import (
     microbatch,
     plan,
 )
+
+from .strategies import assert_close, random_array
 
 DTYPE = jnp.float32  # explicit, so that JAX_ENABLE_X64=1 does not double every size
 BATCH, FEATURES, HIDDEN = 64, 16, 64
@@ -509,6 +512,11 @@ def _example_error(**options):
             r"memory_budget must be at least 1 byte and finite, got memory_budget=inf",
         ),
         (
+            {"progress": "yes"},
+            TypeError,
+            r"progress must be a bool, got progress='yes' of type str; pass True or False\.",
+        ),
+        (
             {"safety_margin": True},
             TypeError,
             r"safety_margin must be a number, got safety_margin=True; pass e.g. safety_margin=0.9\.",
@@ -625,3 +633,199 @@ def test_plan_on_a_mesh_measures_per_device_and_chooses_where_to_gather():
     assert at_256["per_microbatch"].temp_bytes < at_256["once"].temp_bytes
     assert (chosen.microbatch_size, chosen.gather_params) == (256, "per_microbatch")
     assert "gather_params" in str(chosen).splitlines()[1]
+
+
+def _concrete(seed=0):
+    """Seeded arrays of the shapes of PARAMS, X and Y."""
+    specs = [*PARAMS, X, Y]
+    arrays = [random_array(seed + i, s.shape, DTYPE) for i, s in enumerate(specs)]
+    return arrays[:2], *arrays[2:]
+
+
+def _progress_lines(err):
+    return [line for line in err.splitlines() if line.startswith("plan ")]
+
+
+def test_plan_is_silent_without_progress(capsys):
+    _plan_mlp(candidates=[4, 16])
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_says_which_candidate_compiles_how_long_it_took_and_whether_it_fits(capsys):
+    totals = _totals([4, 16, 32])  # measured once, and so cached, before the plan below
+    capsys.readouterr()
+
+    def build(m):  # a new build: nothing cached for it
+        return _build(m)
+
+    plan(
+        build,
+        PARAMS,
+        X,
+        Y,
+        batch_size=BATCH,
+        candidates=[4, 16, 32],
+        memory_budget=totals[16],
+        progress=True,
+    )
+    lines = _progress_lines(capsys.readouterr().err)
+    sizes = [4, 16, 32]
+    assert len(lines) == 3
+    for i, (line, m) in enumerate(zip(lines, sizes, strict=True), 1):
+        fits = "fits" if m <= 16 else "does not fit"
+        total = re.escape(_plan._bytes(totals[m]))
+        pattern = (
+            rf"plan \[{i}/3\] microbatch_size={m}: compiling\.\.\. \d+\.\d s; total {total}, {fits}"
+        )
+        assert re.fullmatch(pattern, line), line
+
+
+def test_progress_says_which_candidates_were_measured_before(capsys):
+    def build(m):
+        return _build(m)
+
+    options = {"batch_size": BATCH, "memory_budget": HUGE, "progress": True}
+    plan(build, PARAMS, X, Y, candidates=[4], **options)
+    capsys.readouterr()
+    plan(build, PARAMS, X, Y, candidates=[4, 8], **options)
+    lines = _progress_lines(capsys.readouterr().err)
+    assert re.fullmatch(r"plan \[1/2\] microbatch_size=4: measured before; total .+ fits", lines[0])
+    assert re.fullmatch(r"plan \[2/2\] microbatch_size=8: compiling\.\.\. .+ fits", lines[1])
+
+
+def test_progress_names_the_gather_params_of_each_candidate(capsys):
+    def build(m, gather_params):
+        return _build(m)  # takes the keyword, so that plan compiles each size with both
+
+    plan(build, PARAMS, X, Y, batch_size=BATCH, candidates=[8], memory_budget=HUGE, progress=True)
+    lines = _progress_lines(capsys.readouterr().err)
+    assert [line.split(": compiling")[0] for line in lines] == [
+        "plan [1/2] microbatch_size=8, gather_params='once'",
+        "plan [2/2] microbatch_size=8, gather_params='per_microbatch'",
+    ]
+
+
+def test_progress_says_when_a_candidate_fails_to_compile(capsys):
+    def build(m):
+        return microbatch(lambda x: x @ x, 0, m)  # (m, 16) @ (m, 16) only works for m=16
+
+    with pytest.raises(TypeError):
+        plan(build, X, memory_budget=HUGE, candidates=[8], progress=True)
+    err = capsys.readouterr().err
+    assert err.startswith("plan [1/1] microbatch_size=8: compiling... failed\n")
+
+
+def test_the_kept_program_computes_what_the_built_function_does():
+    calls = []
+
+    def build(m):
+        calls.append(m)
+        return _build(m)
+
+    params, x, y = _concrete()
+    result = plan(build, params, x, y, batch_size=BATCH, candidates=[4, 16], memory_budget=HUGE)
+    step = result.compile()
+    assert isinstance(step, jax.stages.Compiled)
+    assert calls == [1, 4, 16]  # compile() compiled nothing more
+    assert result.compile() is step
+    want = _build(result.microbatch_size)(params, x, y)
+    assert_close(step(params, x, y), want)
+    assert_close(step(*_concrete(seed=7)), _build(16)(*_concrete(seed=7)))
+    assert _total(step) == result.table[-1].total_bytes
+
+
+def _total(compiled):
+    memory = compiled.memory_analysis()
+    total = memory.temp_size_in_bytes + memory.argument_size_in_bytes
+    return total + memory.output_size_in_bytes - memory.alias_size_in_bytes
+
+
+def test_the_kept_program_takes_only_the_example_shapes():
+    params, x, y = _concrete()
+    step = plan(_build, params, x, y, batch_size=BATCH, candidates=[8], memory_budget=HUGE)
+    with pytest.raises(TypeError, match=r"Argument types differ"):
+        step.compile()(params, x[:32], y[:32])
+
+
+def test_a_plan_from_the_cache_compiles_the_chosen_row_once_when_asked(capsys):
+    calls = []
+
+    def build(m):
+        calls.append(m)
+        return _build(m)
+
+    options = {"batch_size": BATCH, "candidates": [4, 16], "progress": True}
+    roomy = plan(build, PARAMS, X, Y, memory_budget=HUGE, **options)
+    tight = plan(build, PARAMS, X, Y, memory_budget=roomy.table[0].total_bytes, **options)
+    assert (tight.microbatch_size, calls) == (4, [1, 4, 16])  # planning compiled nothing
+    capsys.readouterr()
+    step = tight.compile()
+    assert calls == [1, 4, 16, 4] and tight.compile() is step
+    lines = _progress_lines(capsys.readouterr().err)
+    assert len(lines) == 1
+    assert re.fullmatch(r"plan \[chosen\] microbatch_size=4: compiling\.\.\. \d+\.\d s", lines[0])
+    params, x, y = _concrete()
+    assert_close(step(params, x, y), _build(4)(params, x, y))
+
+
+def test_no_program_but_the_chosen_one_outlives_its_turn(monkeypatch):
+    """While each candidate compiles, the programs of the ones before it are gone but for
+    the chosen-so-far; the plan keeps the chosen one's alone."""
+    totals = _totals([4, 8, 16, 32])
+    compile_candidate = _plan._Candidate.compile
+    programs = []
+    alive_at_each_compile = []
+
+    def recording(self, args, kwargs):
+        gc.collect()
+        alive_at_each_compile.append(sum(ref() is not None for ref in programs))
+        program = compile_candidate(self, args, kwargs)
+        programs.append(weakref.ref(program))
+        return program
+
+    monkeypatch.setattr(_plan._Candidate, "compile", recording)
+
+    def build(m):
+        return _build(m)
+
+    result = plan(
+        build, PARAMS, X, Y, batch_size=BATCH, candidates=[4, 8, 16, 32], memory_budget=totals[8]
+    )
+    gc.collect()
+    assert result.microbatch_size == 8
+    assert alive_at_each_compile == [0, 1, 1, 1]  # 8 chosen; 16 freed before 32 compiles
+    assert [ref() is not None for ref in programs] == [False, True, False, False]
+    assert result.compile() is programs[1]()
+
+
+def test_a_plan_made_by_hand_has_no_program():
+    made = Plan(microbatch_size=8, memory_budget=HUGE, batch_size=BATCH, table=())
+    with pytest.raises(
+        ValueError,
+        match=r"This Plan holds no compiled program: it was made by hand, and only a Plan that plan\(build, \*args, \.\.\.\) returns keeps the chosen row's; call plan\.",
+    ):
+        made.compile()
+
+
+def test_a_program_compiled_on_first_use_is_compiled_under_the_plans_mesh():
+    """A cached plan made under ``jax.set_mesh`` compiles its chosen row later, outside
+    the mesh, as it would have inside: here the function reshards by a bare
+    ``PartitionSpec``, which needs the mesh, and the arguments name none."""
+
+    def loss(params, x, y):
+        return _loss(params, jax.sharding.reshard(x, P("data")), y)
+
+    def build(m):
+        return jax.grad(microbatch(loss, (1, 2), m, MEAN))
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    options = {"batch_size": BATCH, "candidates": [8, 32]}
+    with jax.set_mesh(mesh):
+        roomy = plan(build, PARAMS, X, Y, memory_budget=HUGE, **options)
+        budget = roomy.table[0].total_bytes
+        tight = plan(build, PARAMS, X, Y, memory_budget=budget, **options)
+        kept = plan(lambda m: build(m), PARAMS, X, Y, memory_budget=budget, **options).compile()
+    later = tight.compile()  # compiled now, outside the mesh
+    assert tight.microbatch_size == 8
+    assert later.input_shardings == kept.input_shardings
+    assert _total(later) == _total(kept) == tight.table[0].total_bytes

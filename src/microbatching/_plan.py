@@ -6,13 +6,15 @@ memory and cost analyses of the compiled program are read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import inspect
 import operator
+import sys
+import time
 import typing
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -100,7 +102,8 @@ class Plan:
         ``"per_microbatch"``; None otherwise.
 
     ``str(plan)`` renders the table, with the chosen row marked ``*``, and says why a
-    prime batch size has no candidates but 1 and itself.
+    prime batch size has no candidates but 1 and itself. ``compile()`` hands back the
+    chosen row's compiled program, which ``plan`` kept.
 
     >>> import jax, jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -122,6 +125,47 @@ class Plan:
     table: tuple[PlanRow, ...]
     allow_remainder: bool = False
     gather_params: str | None = None
+    _step: _Step | None = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
+
+    def compile(self) -> jax.stages.Compiled:
+        """The chosen row's compiled program, to call instead of compiling it again.
+
+        ``plan`` compiles ``jax.jit(build(microbatch_size))`` for each candidate (with its
+        ``gather_params`` when ``build`` takes it) and keeps the chosen one's program, and
+        no other. When it took the chosen row's measurement from its cache, as when
+        planning again under another budget, it compiled nothing and kept nothing: the
+        first ``compile()`` then compiles that row, once, under the mesh ``plan`` ran
+        under (and with ``progress=True`` says so).
+
+        The program takes arguments of the example arguments' shapes, dtypes and
+        shardings, and raises a TypeError for others (a smaller last batch needs its own
+        ``jax.jit(build(microbatch_size))``). It is ``jax.jit``'s with no options: it
+        donates no argument, even where ``build`` returns a function jitted with
+        ``donate_argnums``; compile a step that donates with its own ``jax.jit``.
+
+        Returns:
+          A ``jax.stages.Compiled``: call it as the function ``build`` returns.
+
+        Raises:
+          ValueError: For a ``Plan`` made by hand rather than returned by ``plan``.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from microbatching import AccumulationType, microbatch, plan
+        >>> def loss(w, x):
+        ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+        >>> build = lambda m: jax.grad(microbatch(loss, 1, m, AccumulationType.MEAN))
+        >>> w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
+        >>> p = plan(build, w, x, batch_size=64, candidates=[4, 8], memory_budget=2**30)
+        >>> step = p.compile()  # what plan compiled for microbatch_size=8
+        >>> bool(jnp.allclose(step(w, x), build(p.microbatch_size)(w, x)))
+        True
+        """
+        if self._step is None:
+            raise ValueError(
+                "This Plan holds no compiled program: it was made by hand, and only a Plan "
+                "that plan(build, *args, ...) returns keeps the chosen row's; call plan."
+            )
+        return self._step.compiled()
 
     def __str__(self) -> str:
         header = (
@@ -153,6 +197,7 @@ def plan(
     batch_size: int | None = None,
     safety_margin: float = 0.9,
     allow_remainder: bool | None = None,
+    progress: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Picks the largest microbatch size whose compiled program fits in memory.
@@ -162,7 +207,8 @@ def plan(
     ``temp + arguments + outputs - aliases`` bytes, per device for sharded arguments. The
     measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
     shardings, batch size, mesh and candidate, so planning again, under any budget or with
-    candidates already measured, compiles nothing.
+    candidates already measured, compiles nothing. The chosen candidate's compiled
+    program is kept in the ``Plan`` (``Plan.compile()``), and no other candidate's.
 
     The batch size and ``allow_remainder`` come from the function that ``build(1)``
     returns, when ``microbatch``, ``micro_vmap`` or ``micro_grad`` made it, directly or
@@ -198,10 +244,15 @@ def plan(
         default ones then add the powers of two). By default that of ``build``'s
         function, or False for a function of other making; if given, it must agree
         with ``build``'s function.
+      progress: Whether to say on standard error, one line per candidate, which one it
+        compiles (``plan [3/6] microbatch_size=8: compiling...``), how long that took,
+        its total memory and whether it fits; a candidate measured before says so. Off
+        by default, as ``microbatch``'s ``progress``.
       **kwargs: Example keyword arguments of that function, as ``*args``.
 
     Returns:
-      A ``Plan``: the chosen ``microbatch_size`` and a table of every candidate.
+      A ``Plan``: the chosen ``microbatch_size``, a table of every candidate, and the
+      chosen candidate's compiled program (``Plan.compile()``).
 
     Raises:
       TypeError, ValueError: For bad arguments, a batch size that cannot be inferred, a
@@ -222,35 +273,38 @@ def plan(
     4
     """
     _checks.ensure_callable("build", build)
+    report = _Progress(_checks.ensure_bool("progress", progress))
     labels, specs, treedef = _specs(args, kwargs)
     batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, GATHER.tried(build)[0])))
     remainder = _remainder(allow_remainder, batching)
     size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
-    measured = _measure_all(build, treedef, specs, size, sizes)
-    table = tuple(m.row(budget) for m in measured)
-    fitting = [row for row in table if row.fits]
-    best = fitting[-1].microbatch_size if fitting else None
-    gather = next((row.gather_params for row in fitting if row.microbatch_size == best), None)
-    result = Plan(best, budget, size, table, remainder, gather)
-    if not fitting:
-        raise ValueError(_nothing_fits(result))
-    return result
+    table, chosen = _measure_all(build, treedef, specs, size, sizes, budget, report)
+    if chosen is None:
+        raise ValueError(_nothing_fits(Plan(None, budget, size, table, remainder)))
+    row, step = chosen
+    return Plan(row.microbatch_size, budget, size, table, remainder, row.gather_params, _step=step)
 
 
 _CACHE: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
 
 
+def _memo(build: Build) -> dict[Hashable, Any]:
+    """What ``plan`` measured of ``build``, kept while ``build`` lives (a new, empty dict
+    for a ``build`` that cannot be weakly referenced: plan without a cache)."""
+    try:
+        return _CACHE.setdefault(build, {})
+    except TypeError:
+        return {}
+
+
 def _cached(build: Build, key: Hashable, measure: Callable[[], Any]) -> Any:
     """``measure()``, remembered per ``build`` while ``build`` lives."""
-    try:
-        per_build = _CACHE.setdefault(build, {})
-    except TypeError:  # not weakly referenceable: plan without a cache
-        return measure()
-    if key not in per_build:
-        per_build[key] = measure()
-    return per_build[key]
+    memo = _memo(build)
+    if key not in memo:
+        memo[key] = measure()
+    return memo[key]
 
 
 def _specs(
@@ -486,6 +540,89 @@ that fits, in ``GatherParams``'s order (``"once"``, fewer collectives, first).""
 
 
 @dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """One program that ``plan`` compiles: ``build``'s function at one microbatch size,
+    and with one ``gather_params`` when ``build`` takes it."""
+
+    build: Build
+    microbatch_size: int | None
+    gather_params: str | None
+
+    def __str__(self) -> str:
+        gather = "" if self.gather_params is None else f", gather_params={self.gather_params!r}"
+        return f"microbatch_size={self.microbatch_size}{gather}"
+
+    def compile(self, args: Any, kwargs: Any) -> jax.stages.Compiled:
+        """``jax.jit(build(m)).lower(*args, **kwargs).compile()``."""
+        fun = _built(self.build, self.microbatch_size, self.gather_params)
+        try:
+            return jax.jit(fun).lower(*args, **kwargs).compile()
+        except Exception as err:
+            err.add_note(f"(raised by plan while compiling build({self.microbatch_size}))")
+            raise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Progress:
+    """With ``plan(..., progress=True)``, one line per candidate on standard error, begun
+    when its compilation begins: which candidate, how long it took, what it needs."""
+
+    on: bool
+
+    def write(self, text: str) -> None:
+        if self.on:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    def start(self, label: str, doing: str) -> None:
+        process = "" if jax.process_count() == 1 else f"[process {jax.process_index()}] "
+        self.write(f"{process}plan {label}: {doing}")
+
+    @contextlib.contextmanager
+    def compiling(self, label: str) -> Iterator[None]:
+        """Says that ``label`` compiles, then how long it took, or that it failed."""
+        self.start(label, "compiling... ")
+        began = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.write("failed\n")
+            raise
+        self.write(f"{time.perf_counter() - began:.1f} s")
+
+    def row(self, row: PlanRow) -> None:
+        fits = "fits" if row.fits else "does not fit"
+        self.write(f"; total {_bytes(row.total_bytes)}, {fits}\n")
+
+
+@dataclasses.dataclass
+class _Step:
+    """The chosen candidate's compiled program: the one ``plan`` compiled to measure it,
+    or, when its measurement came from the cache, compiled on first use."""
+
+    candidate: _Candidate
+    example: tuple[Any, Any]
+    under_mesh: Callable[[], contextlib.AbstractContextManager[Any]]
+    report: _Progress
+    program: jax.stages.Compiled | None
+
+    def compiled(self) -> jax.stages.Compiled:
+        if self.program is None:
+            with self.under_mesh(), self.report.compiling(f"[chosen] {self.candidate}"):
+                self.program = self.candidate.compile(*self.example)
+            self.report.write("\n")
+        return self.program
+
+
+def _mesh() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """Enters again the mesh that is set now, to compile later as ``plan`` did."""
+    mesh, abstract = jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return lambda: jax.set_mesh(mesh)
+    return lambda: jax.sharding.use_abstract_mesh(abstract)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Measured:
     """What one candidate's compiled program costs: a ``PlanRow`` before the budget."""
 
@@ -508,20 +645,38 @@ def _measure_all(
     specs: list[jax.ShapeDtypeStruct],
     batch_size: int,
     sizes: tuple[int | None, ...],
-) -> list[_Measured]:
-    """Each candidate's costs, and each ``gather_params``'s when ``build`` takes it."""
-    args, kwargs = jax.tree.unflatten(treedef, specs)
+    budget: int,
+    report: _Progress,
+) -> tuple[tuple[PlanRow, ...], tuple[PlanRow, _Step] | None]:
+    """Each candidate's row, and each ``gather_params``'s when ``build`` takes it; and the
+    chosen row with its program. Only the chosen-so-far program is held while the next
+    candidate compiles."""
+    example = jax.tree.unflatten(treedef, specs)
     key = (treedef, tuple(specs), batch_size, jax.sharding.get_abstract_mesh())
+    memo = _memo(build)
+    candidates = [_Candidate(build, m, g) for m in sizes for g in GATHER.tried(build)]
+    table: list[PlanRow] = []
+    chosen: tuple[PlanRow, _Step] | None = None
     with _sharding.mesh_of(specs):
-        return [
-            _cached(
-                build,
-                (*key, m, g),
-                functools.partial(_measure, build, m, g, batch_size, args, kwargs),
+        for i, candidate in enumerate(candidates, 1):
+            label = f"[{i}/{len(candidates)}] {candidate}"
+            cached = (*key, candidate.microbatch_size, candidate.gather_params)
+            measured, program = _measure(
+                candidate, label, memo, cached, example, batch_size, report
             )
-            for m in sizes
-            for g in GATHER.tried(build)
-        ]
+            table.append(measured.row(budget))
+            report.row(table[-1])
+            if _larger_fit(table[-1], chosen):
+                chosen = (table[-1], _Step(candidate, example, _mesh(), report, program))
+            del program  # while the next compiles, hold no program but the chosen one
+    return tuple(table), chosen
+
+
+def _larger_fit(row: PlanRow, chosen: tuple[PlanRow, _Step] | None) -> bool:
+    """Whether ``row`` is chosen over ``chosen``: it fits, at another size. The rows come
+    smallest first (None last), so that size is larger, and at one size the first
+    ``gather_params`` that fits (``"once"`` before ``"per_microbatch"``) stays."""
+    return row.fits and (chosen is None or row.microbatch_size != chosen[0].microbatch_size)
 
 
 def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[..., Any]:
@@ -535,14 +690,26 @@ def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[.
 
 
 def _measure(
-    build: Build, m: int | None, gather: str | None, batch_size: int, args: Any, kwargs: Any
-) -> _Measured:
-    fun = _built(build, m, gather)
-    try:
-        compiled = jax.jit(fun).lower(*args, **kwargs).compile()
-    except Exception as err:
-        err.add_note(f"(raised by plan while compiling build({m}))")
-        raise
+    candidate: _Candidate,
+    label: str,
+    memo: dict[Hashable, Any],
+    key: Hashable,
+    example: tuple[Any, Any],
+    batch_size: int,
+    report: _Progress,
+) -> tuple[_Measured, jax.stages.Compiled | None]:
+    """The candidate's costs, from ``memo`` or compiled now (then with the program)."""
+    if key in memo:
+        report.start(label, "measured before")
+        return memo[key], None
+    with report.compiling(label):
+        program = candidate.compile(*example)
+        memo[key] = _analysed(program, candidate, batch_size)
+    return memo[key], program
+
+
+def _analysed(compiled: Any, candidate: _Candidate, batch_size: int) -> _Measured:
+    """The costs that XLA's memory and cost analyses give of ``compiled``."""
     memory = compiled.memory_analysis()
     if memory is None:
         raise ValueError(
@@ -555,6 +722,7 @@ def _measure(
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
     )
+    m = candidate.microbatch_size
     n = 1 if m is None else -(-batch_size // m)
     return _Measured(
         microbatch_size=m,
@@ -563,7 +731,7 @@ def _measure(
         argument_bytes=memory.argument_size_in_bytes,
         total_bytes=total,
         flops=_flops(compiled, n),
-        gather_params=gather,
+        gather_params=candidate.gather_params,
     )
 
 
