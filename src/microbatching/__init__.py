@@ -16,7 +16,7 @@ from ._plan import PlanRow as PlanRow
 from ._plan import plan as plan
 from ._vmap import micro_vmap as micro_vmap
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AccumulationType",
