@@ -260,6 +260,43 @@ def test_missing_batch_argument_of_micro_grad_names_it():
         micro_grad(loss, microbatch_size=2)(W)
 
 
+def test_missing_differentiated_argument_of_micro_grad_is_a_type_error():
+    # The plan of the call leaves it to the call of fun: jax.grad names the argnums.
+    def xy(w, x, y):
+        return jnp.sum((x @ w - y) ** 2)
+
+    with pytest.raises(TypeError, match=r"differentiating with respect to argnums=0"):
+        micro_grad(xy, batch_argnums=(1, 2), l2_clip_norm=1.0)(x=A, y=A[:, 0])
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "two_pass", "chunked", "materialize"])
+def test_micro_grad_keeps_an_unbatched_argument_concrete_for_fun(method):
+    """A loss may branch in Python on an argument that is neither batched nor
+    differentiated, as with micro_vmap: the plan of the call traces only the batch and
+    the parameters."""
+
+    def branching(w, x, use_bias, scale):
+        out = x @ w["k"]
+        if use_bias:
+            out = out + w["b"][None]
+        return float(scale) * jnp.sum(jnp.tanh(out))
+
+    w = {"k": random_array(3, (3, 2), jnp.float32), "b": random_array(4, (2,), jnp.float32)}
+    flag, scale = jnp.array(True), jnp.array(0.5)
+    fn = micro_grad(
+        branching, batch_argnums=1, microbatch_size=4, l2_clip_norm=1.0, clip_method=method
+    )
+    got, _ = fn(w, A, flag, scale)
+
+    def clipped(x):
+        g = jax.grad(branching)(w, x[None], True, 0.5)
+        norm = jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(g)))
+        return jax.tree.map(lambda v: v * jnp.minimum(1.0, 1.0 / norm), g)
+
+    want = jax.tree.map(lambda v: jnp.sum(v, 0), jax.vmap(clipped)(A))
+    assert_close(got, want, terms=8)
+
+
 @pytest.mark.x64
 def test_custom_init_of_the_wrong_shape_says_so():
     wrong = Accumulator(

@@ -283,7 +283,15 @@ class _Calls:
             leaves = jax.tree.leaves([args[i] for i in nums if i < len(args)])
             where = _fsdp.layout(first, leaves, settings.mesh_axes, request.trade, given)
         weighted = weights is not None or padded
-        return _abstractly(lambda a, k: _methods.plan(request, a, k, weighted, where), args, kwargs)
+        nums = example.nums()
+
+        def abstract(owner: int | str) -> bool:  # the batch and the parameters
+            return owner in nums or example.axes.spec(owner) is not None
+
+        def planned(a: tuple[Any, ...], k: dict[str, Any]) -> _methods.GradPlan:
+            return _methods.plan(request, a, k, weighted, where)
+
+        return _abstractly(planned, args, kwargs, abstract)
 
     def describe(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any
@@ -379,19 +387,31 @@ def _abstractly(
     fn: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    abstract: Callable[[int | str], bool],
 ) -> Any:
-    """``fn(args, kwargs)`` traced on the arrays' shapes and dtypes, without their
-    layouts (``_plain``); the other leaves as they are. The plan reads shapes and dtypes
-    only: one example of a batch split over an Explicit mesh cannot be sliced out before
-    the loop, as it is inside it."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    arrays = [isinstance(x, jax.Array | jax.ShapeDtypeStruct) for x in leaves]
+    """``fn(args, kwargs)`` traced with the arrays of the arguments that ``abstract``
+    picks as their shapes and dtypes, without their layouts (``_plain``); every other
+    argument as it is, so that a loss may still branch on a concrete one. The plan reads
+    shapes and dtypes only: one example of a batch split over an Explicit mesh cannot be
+    sliced out before the loop, as it is inside it."""
+    owners = [*range(len(args)), *kwargs]
+    values = [*args, *kwargs.values()]
+    leaves, treedef = jax.tree.flatten(values)
+    picked = [abstract(w) for w, v in zip(owners, values, strict=True) for _ in jax.tree.leaves(v)]
+    arrays = [
+        p and isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+        for x, p in zip(leaves, picked, strict=True)
+    ]
     found: list[Any] = []
 
-    def traced(values: list[Any]) -> int:
-        it = iter(values)
-        full = [next(it) if a else x for x, a in zip(leaves, arrays, strict=True)]
-        found.append(fn(*jax.tree.unflatten(treedef, full)))
+    def traced(given: list[Any]) -> int:
+        it = iter(given)
+        full = jax.tree.unflatten(
+            treedef, [next(it) if a else x for x, a in zip(leaves, arrays, strict=True)]
+        )
+        found.append(
+            fn(tuple(full[: len(args)]), dict(zip(kwargs, full[len(args) :], strict=True)))
+        )
         return 0
 
     jax.eval_shape(traced, [_plain(x) for x, a in zip(leaves, arrays, strict=True) if a])

@@ -261,6 +261,8 @@ def plan(
     a method asked for by name; the ghost norms where they read the loss and cost less
     than forming the gradients (``auto``); chunked, else materialize.
     """
+    if any(i >= len(args) for i in request.example.nums()):  # the loop says what is missing
+        return GradPlan(MATERIALIZE, "a differentiated argument is missing", (), request.summed)
     sums, asked = request.sums(), request.method
     paths = _per_example.leaf_paths(request.example, args)
     params = jax.tree.leaves([args[i] for i in request.example.nums()])
@@ -272,8 +274,6 @@ def plan(
         )
         return GradPlan(method, why, leaves, request.summed, exact, layout)
 
-    if any(i >= len(args) for i in request.example.nums()):
-        return GradPlan(MATERIALIZE, "a differentiated argument is missing", (), request.summed)
     if not request.summed:
         why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
         return each(MATERIALIZE, "per-example", why)
