@@ -20,12 +20,12 @@ lint: $(STAMP)
 	@echo "== ruff: format and lint"
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	@echo "== pyright: types of src, tests, benchmarks and examples (about 25 s)"
+	@echo "== pyright: types of src, tests, benchmarks and examples (about 20 s)"
 	$(BIN)/pyright
 
-# About 5 minutes on 2 idle cores: lint, docs, the suite, the x64 tests.
+# About 11 minutes on 2 idle cores: lint, docs, the suite (10 min), the x64 tests.
 test: lint docs
-	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 4 min; [done/total] ends each line)"
+	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 10 min on 2 idle cores; [done/total] ends each line)"
 	$(PYTEST)
 	$(MAKE) --no-print-directory test-x64
 
@@ -36,7 +36,7 @@ test-x64: $(STAMP)
 
 # The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
 docs: $(STAMP)
-	@echo "== mkdocs: the site into site/, warnings as errors (about 10 s)"
+	@echo "== mkdocs: the site into site/, warnings as errors (about 5 s)"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The site on http://$(SERVE_ADDR)/, rebuilt on every save of a page, a docstring, an
