@@ -91,9 +91,12 @@ def micro_grad(
         tree, then given to ``transform_fn``: the clipping of DP-SGD. A pytree that is a
         prefix of the gradient clips each subtree by its own norm and bound (per-layer
         clipping). A traced value (``micro_grad`` built inside ``jit``) changes without
-        recompiling. With the default ``transform_fn`` and SUM or MEAN the clipped
-        per-example gradients are never formed; ``clip_method`` says how the norms and
-        the sum are computed. ``metrics_fn`` sees the gradients before clipping.
+        recompiling. With the default ``transform_fn``, SUM or MEAN, and ``metrics_fn``
+        left out or ``l2_norm``, the clipped sum can be formed without the per-example
+        gradients; ``clip_method`` says how the norms and the sum are computed, and
+        ``clipping_report`` which method a call takes (a ``metrics_fn`` other than
+        ``l2_norm`` needs each example's gradient). ``metrics_fn`` sees the gradients
+        before clipping.
       rescale_to_unit_norm: With ``l2_clip_norm``, divide each clipped gradient by its
         bound, so that every example contributes a norm of at most 1.
       normalize_by: With ``l2_clip_norm``, divide the clipped gradients by this.
