@@ -4,8 +4,9 @@ that picks one for each call.
 ``micro_grad``'s options are normalised once, when the user wraps ``fun``
 (``GradRequest``). Each call then gets one ``GradPlan``, built before the loop from the
 shapes of the call: which ``Method`` computes the summed (clipped) gradient and why, the
-rule of each parameter leaf's norm, whether the gradient of the summed loss is exactly
-the sum of the per-example gradients, and the call's sharded layout. The loop's body
+rule of each parameter leaf's norm, whether a plain gradient may be seeded by the mean's
+``1 / rows`` (where it is exactly the sum of the per-example gradients), and the call's
+sharded layout. The loop's body
 only runs the planned method's step; ``clipping_report`` prints the same plan.
 
 A method is one entry of ``METHODS``: a name and a step with one signature,
@@ -208,8 +209,9 @@ class GradPlan:
       leaves: How each parameter leaf's per-example norm is computed.
       summed: Whether the summed path runs (else ``per_example``: a ``transform_fn`` or
         a custom accumulator).
-      exact: Whether the gradient of the weighted summed loss is exactly the weighted
-        sum of the per-example gradients, so that the mean's ``1 / rows`` may seed it.
+      seedable: For ``plain`` only: whether the gradient of the summed loss scaled by
+        one factor per example is exactly the scaled sum of the per-example gradients
+        (``summed_is_exact`` with scaling), so that the mean's ``1 / rows`` may seed it.
       layout: The call's sharded layout (``_fsdp.layout``), or None.
     """
 
@@ -217,7 +219,7 @@ class GradPlan:
     reason: str
     leaves: tuple[LeafRule, ...]
     summed: bool = True
-    exact: bool = False
+    seedable: bool = False
     layout: _fsdp.Layout | None = None
 
     def report(self) -> ClippingReport:
@@ -227,7 +229,7 @@ class GradPlan:
     def seeds(self, accumulators: Any, weighted: bool) -> bool:
         """Whether a step with ``accumulators`` seeds the backward pass with the mean's
         ``1 / rows``: a plain gradient that is exact, averaged by rows, without weights."""
-        plain = self.method is PLAIN and self.exact and not weighted
+        plain = self.method is PLAIN and self.seedable and not weighted
         return plain and _accumulators.averages_rows(accumulators)
 
 
@@ -267,12 +269,12 @@ def plan(
     paths = _per_example.leaf_paths(request.example, args)
     params = jax.tree.leaves([args[i] for i in request.example.nums()])
 
-    def each(method: Method, rule: str, why: str, exact: bool = False) -> GradPlan:
+    def each(method: Method, rule: str, why: str, seedable: bool = False) -> GradPlan:
         leaves = tuple(
             LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
             for path, p in zip(paths, params, strict=True)
         )
-        return GradPlan(method, why, leaves, request.summed, exact, layout)
+        return GradPlan(method, why, leaves, request.summed, seedable, layout)
 
     if not request.summed:
         why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
@@ -282,16 +284,19 @@ def plan(
         return each(MATERIALIZE, "per-example", "the batch is empty")
     scaled = request.clipping is not None or weighted
 
-    def exact() -> bool:
-        return _per_example.summed_is_exact(sums, scaled, args, kwargs)
+    proven: dict[bool, bool] = {}
+
+    def exact(scaled: bool = scaled) -> bool:  # each traces the loss's JVP: at most once
+        if scaled not in proven:
+            proven[scaled] = _per_example.summed_is_exact(sums, scaled, args, kwargs)
+        return proven[scaled]
 
     def not_linear() -> ValueError:
         return ValueError(_NOT_LINEAR.format(method=asked))
 
     if request.clipping is None and sums.metrics is None:
         if asked != "materialize" and exact():
-            seedable = _per_example.summed_is_exact(sums, True, args, kwargs)
-            return each(PLAIN, "unused", "no clipping and no norms", seedable)
+            return each(PLAIN, "unused", "no clipping and no norms", exact(True))
         if asked in ("two_pass", "chunked"):
             raise not_linear()
         why = _ASKED if asked == "materialize" else "the summed loss's gradient is not exact"
@@ -301,23 +306,21 @@ def plan(
     if asked in ("two_pass", "chunked") and not exact():
         raise not_linear()
     if asked == "chunked":
-        return each(CHUNKED, "per-example", _ASKED, True)
+        return each(CHUNKED, "per-example", _ASKED)
     if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
         why = (
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
             "gives the norms without them)"
         )
         return (
-            each(CHUNKED, "per-example", why, True)
-            if exact()
-            else each(MATERIALIZE, "per-example", why)
+            each(CHUNKED, "per-example", why) if exact() else each(MATERIALIZE, "per-example", why)
         )
     program = _per_example.read_program(sums, args, kwargs)
     if isinstance(program, str):
         if asked in ("ghost", "two_pass"):
             raise ValueError(_NO_GHOST.format(method=asked, reason=program))
         if exact():
-            return each(CHUNKED, "per-example", program, True)
+            return each(CHUNKED, "per-example", program)
         return each(MATERIALIZE, "per-example", program)
     leaves = tuple(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
@@ -328,10 +331,10 @@ def plan(
         f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
     )
     if asked == "auto" and per_example < ghost:
-        return GradPlan(MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, True, False, layout)
+        return GradPlan(MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, layout=layout)
     why = _ASKED if asked != "auto" else "the ghost norms read this loss"
     method = TWO_PASS if asked == "two_pass" else GHOST
-    return GradPlan(method, f"{why}: {costs}", leaves, True, asked == "two_pass", layout)
+    return GradPlan(method, f"{why}: {costs}", leaves, layout=layout)
 
 
 def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Callable[..., Any]:
