@@ -44,6 +44,7 @@ RESULTS = Path(__file__).resolve().parent / "CLIPPING.md"
 LIMIT_S = 3.0  # a way whose first call takes longer is not timed
 PLAIN, VMAP = "plain", "`vmap(grad)`"
 AUTO = "`l2_clip_norm`"
+LOOP = "hand-written loop"
 
 try:  # benchmark-only dependency
     import optax
@@ -198,6 +199,45 @@ def block_workload(examples: int, tokens: int = 32) -> Workload:
     return Workload(name, block_loss, params, (ids, targets))
 
 
+# --- 3b. Tied transformer LM (issue 24) ----------------------------------------------
+
+LM_WIDTH, LM_HIDDEN = 128, 512
+
+
+def tied_lm_loss(params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """One pre-LN causal block whose output projection is the embedding table (tied),
+    per-token cross-entropy averaged over each example's tokens, then over the batch."""
+    h = params["embed"][tokens] + params["positions"]
+    h = h + attention(params["attention"], layer_norm(params["ln1"], h))
+    up = jax.nn.gelu(dense(params["up"], layer_norm(params["ln2"], h)))
+    h = h + dense(params["down"], up)
+    logits = layer_norm(params["ln3"], h) @ params["embed"].T
+    return jnp.mean(jnp.mean(cross_entropy(logits, targets), axis=-1))
+
+
+def tied_lm_workload(examples: int, tokens: int = 64) -> Workload:
+    k = iter(jax.random.split(jax.random.key(7), 12))
+    linear, norm = initializers(k, LM_WIDTH)
+    params = {
+        "embed": jax.random.normal(next(k), (VOCAB, LM_WIDTH)) * 0.02,
+        "positions": jax.random.normal(next(k), (tokens, LM_WIDTH)) * 0.02,
+        "ln1": norm(),
+        "attention": {n: linear(LM_WIDTH, LM_WIDTH) for n in "qkvo"},
+        "ln2": norm(),
+        "up": linear(LM_WIDTH, LM_HIDDEN),
+        "down": linear(LM_HIDDEN, LM_WIDTH),
+        "ln3": norm(),
+    }
+    ids = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    targets = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    name = (
+        f"Tied transformer LM: {tokens} tokens over vocab {VOCAB}, width {LM_WIDTH}, "
+        f"{HEADS} heads, MLP {LM_HIDDEN}, pre-LN, causal, TIED output projection, per-token "
+        "cross-entropy averaged per example"
+    )
+    return Workload(name, tied_lm_loss, params, (ids, targets))
+
+
 # --- 4. Flax NNX language model, tied embeddings, token mask --------------------------
 
 
@@ -281,6 +321,25 @@ def vmap_grad(w: Workload) -> Fn:
     return summed
 
 
+def hand_written(w: Workload, size: int) -> Fn:
+    """The loop a user would write: ``vmap(grad)`` over contiguous slices of ``size``
+    rows in a ``fori_loop``, each gradient clipped, summed into the carry."""
+
+    def one(params: Any, *example: jax.Array) -> Any:
+        return clip(jax.grad(w.loss)(params, *(e[None] for e in example)))
+
+    def summed(params: Any, *batch: jax.Array) -> Any:
+        def body(i: Any, total: Any) -> Any:
+            rows = [jax.lax.dynamic_slice_in_dim(b, i * size, size) for b in batch]
+            grads = jax.vmap(one, in_axes=(None, *[0] * len(rows)))(params, *rows)
+            return jax.tree.map(lambda t, g: t + jnp.sum(g, axis=0), total, grads)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return jax.lax.fori_loop(0, batch[0].shape[0] // size, body, zeros)
+
+    return summed
+
+
 def ways(w: Workload, size: int) -> dict[str, Fn]:
     """Every way of the clipped sum at microbatch ``size``, and ``plain`` first."""
     options: dict[str, Any] = {"batch_argnums": w.batch_argnums, "microbatch_size": size}
@@ -293,6 +352,7 @@ def ways(w: Workload, size: int) -> dict[str, Fn]:
             mb.micro_grad(w.loss, l2_clip_norm=1.0, clip_method=method, **options)
         )
     out["`transform_fn=clip`"] = grads_only(mb.micro_grad(w.loss, transform_fn=clip, **options))
+    out[LOOP] = hand_written(w, size)
     if optax_mb is not None and OPTAX is not None:
         out[OPTAX] = grads_only(optax_mb.micro_grad(w.loss, transform_fn=clip, **options))
     return out
