@@ -875,29 +875,6 @@ def _scaled_products(
     return pull(cotangents)[0]
 
 
-def _exponent(m: jax.Array) -> jax.Array:
-    """The integer ``e`` with ``2**(e - 1) <= m < 2**e``, for ``m`` positive and finite
-    (``m`` subnormal counts as ``2**-126``, float32's smallest normal)."""
-    info = jnp.finfo(m.dtype)
-    ints = jnp.int32 if info.bits == 32 else jnp.int64
-    field = jax.lax.bitcast_convert_type(m, ints) >> info.nmant
-    return jnp.maximum(field, 1) - (info.maxexp - 1) + 1
-
-
-def _times_power(x: jax.Array, k: jax.Array) -> jax.Array:
-    """``x * 2**k``, exactly (unless the result overflows or is subnormal): applied in three
-    parts, so that no power is subnormal (flushed to 0 on the CPU) or infinite."""
-    info = jnp.finfo(x.dtype)
-
-    def power(j: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type((j + info.maxexp - 1) << info.nmant, x.dtype)
-
-    k = jnp.clip(k, -378, 378)  # three powers of at most 2**126: beyond, it under- or
-    third = k // 3  # overflows anyway
-    half = (k - third) // 2
-    return x * power(third) * power(half) * power(k - third - half)
-
-
 def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
     """Rows ``xs[h, t]`` and ``gs[h, t]`` (at least float32) scaled by powers of two, one
     pair per row, and the factors that undo it, for ``_from_gram``.
@@ -915,8 +892,8 @@ def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple
     mg = jnp.max(jnp.abs(gs), axis=-1, initial=0.0)
     finite = jnp.isfinite(mx) & jnp.isfinite(mg)
     both = finite & (mx > 0) & (mg > 0)
-    ex = _exponent(jnp.where(both, mx, 1))
-    eg = _exponent(jnp.where(both, mg, 1))
+    ex = _clipping.exponent(jnp.where(both, mx, 1))
+    eg = _clipping.exponent(jnp.where(both, mg, 1))
     k = jnp.where(both, (ex - eg) // 2, 0)
     lowest = jnp.iinfo(ex.dtype).min
     top_x = jnp.max(jnp.where(both, ex - k, lowest), initial=lowest)
@@ -927,15 +904,15 @@ def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple
     kept = (both | ~usable)[..., None]
     shift_x = jnp.where(usable, -k - top_x, 0)[..., None]
     shift_g = jnp.where(usable, k - top_g, 0)[..., None]
-    xs = jnp.where(kept, _times_power(xs, shift_x), 0)
-    gs = jnp.where(kept, _times_power(gs, shift_g), 0)
+    xs = jnp.where(kept, _clipping.times_power(xs, shift_x), 0)
+    gs = jnp.where(kept, _clipping.times_power(gs, shift_g), 0)
     one = jnp.ones((), xs.dtype)
     bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
     scales = (
-        jnp.where(usable, _times_power(one, top_x // 2), bad),
-        _times_power(one, top_g // 2),
-        _times_power(one, top_x - top_x // 2),
-        _times_power(one, top_g - top_g // 2),
+        jnp.where(usable, _clipping.times_power(one, top_x // 2), bad),
+        _clipping.times_power(one, top_g // 2),
+        _clipping.times_power(one, top_x - top_x // 2),
+        _clipping.times_power(one, top_g - top_g // 2),
     )
     return xs, gs, scales
 
@@ -954,11 +931,11 @@ def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     x = x.astype(wide)
     m = jnp.max(jnp.abs(x), initial=0.0)
     usable = (m > 0) & jnp.isfinite(m)
-    exponent = _exponent(jnp.where(usable, m, 1).astype(wide))
+    exponent = _clipping.exponent(jnp.where(usable, m, 1).astype(wide))
     half = exponent // 2
     one = jnp.ones((), wide)
-    up = _times_power(one, half), _times_power(one, exponent - half)
-    scaled = _times_power(x, -exponent)
+    up = _clipping.times_power(one, half), _clipping.times_power(one, exponent - half)
+    scaled = _clipping.times_power(x, -exponent)
     return scaled, (jnp.where(usable, up[0], jnp.where(m > 0, m, 0)), jnp.where(usable, up[1], 1))
 
 
@@ -1009,7 +986,7 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
     the Gram form where its error bound meets ``GRAM_TOLERANCE`` (``_reliable``)."""
     h, t, _ = xs.shape
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
-        norm = _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
+        norm = _clipping.norm(_clipping.mapped_row_norms(xs, h) * _clipping.mapped_row_norms(gs, h))
         return norm, jnp.ones((), bool)
     xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
