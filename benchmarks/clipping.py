@@ -1,11 +1,15 @@
 """Clipped per-example gradient sums: ghost norms against every other way of computing them.
 
 For four workloads (an MLP, a CNN, a transformer block and a Flax NNX language model with
-tied embeddings) and three microbatch sizes, the same DP-SGD sum
+tied embeddings) and three microbatch sizes, and a tied transformer LM at 64 and 256 tokens
+(issue 24's settings: batch 256 at microbatch 64, batch 64 at microbatch 16), the same
+DP-SGD sum
 ``sum_b g_b * min(1, 1 / ||g_b||)`` is computed by ``micro_grad`` with each
 ``clip_method``, by ``micro_grad`` with the clipping in ``transform_fn``, by optax 0.2.8's
-``micro_grad`` with that ``transform_fn``, and by ``jax.vmap(jax.grad(loss))`` over the
-whole batch, clipped and summed. Each table gives the compiled temp memory, the median time
+``micro_grad`` with that ``transform_fn``, by the hand-written ``vmap(grad)`` loop, by
+jax-privacy's ``clipped_grad`` (where installed) and by ``jax.vmap(jax.grad(loss))`` over
+the whole batch, clipped and summed. Each table gives the compiled temp memory and flops
+(XLA's count, a loop body once), the median time
 of a call and its ratio to ``micro_grad`` without clipping (``plain``), from interleaved
 repetitions in one process (medians of per-repetition ratios, with quartiles), as in
 ``accumulation.py``. A way whose first call (the warm-up) takes over ``LIMIT_S`` seconds is
@@ -45,6 +49,14 @@ LIMIT_S = 3.0  # a way whose first call takes longer is not timed
 PLAIN, VMAP = "plain", "`vmap(grad)`"
 AUTO = "`l2_clip_norm`"
 LOOP = "hand-written loop"
+
+try:  # benchmark-only dependency
+    import jax_privacy
+
+    JAX_PRIVACY: str | None = f"jax-privacy {jax_privacy.__version__} `clipped_grad`"
+except ImportError:  # pragma: no cover
+    jax_privacy = None
+    JAX_PRIVACY = None
 
 try:  # benchmark-only dependency
     import optax
@@ -353,6 +365,10 @@ def ways(w: Workload, size: int) -> dict[str, Fn]:
         )
     out["`transform_fn=clip`"] = grads_only(mb.micro_grad(w.loss, transform_fn=clip, **options))
     out[LOOP] = hand_written(w, size)
+    if jax_privacy is not None and JAX_PRIVACY is not None:
+        out[JAX_PRIVACY] = jax_privacy.clipped_grad(
+            w.loss, l2_clip_norm=1.0, batch_argnums=w.batch_argnums, microbatch_size=size
+        )
     if optax_mb is not None and OPTAX is not None:
         out[OPTAX] = grads_only(optax_mb.micro_grad(w.loss, transform_fn=clip, **options))
     return out
@@ -369,6 +385,7 @@ class Warm:
     temp_mib: float
     first_s: float
     output: Any
+    gflops: float = float("nan")  # XLA's count; a loop body counts once
 
 
 def warm_up(fn: Fn, args: Sequence[Any]) -> Warm:
@@ -376,9 +393,12 @@ def warm_up(fn: Fn, args: Sequence[Any]) -> Warm:
     compiled = jax.jit(fn).lower(*args).compile()
     analysis = compiled.memory_analysis()
     temp = float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    gflops = float("nan") if not cost else cost.get("flops", float("nan")) / 1e9
     start = time.perf_counter()
     output = jax.block_until_ready(compiled(*args))
-    return Warm(compiled, temp, time.perf_counter() - start, output)
+    return Warm(compiled, temp, time.perf_counter() - start, output, gflops)
 
 
 def interleaved(compiled: dict[str, Any], args: Sequence[Any], reps: int) -> dict[str, list[float]]:
@@ -445,7 +465,7 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
                 cells = f"{ms(seconds[name])} | {ratio(seconds[name], seconds[PLAIN])}"
             else:
                 cells = f"skipped: over {LIMIT_S:.0f} s per call ({x.first_s:.1f} s) | "
-            rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {cells} |")
+            rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {x.gflops:.2f} | {cells} |")
     worst, where = max(errors)
     optax_note = "" if OPTAX else " optax is not importable: its row is left out."
     return "\n".join(
@@ -454,8 +474,8 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
             f"`clipping_report` of `l2_clip_norm=1.0`: method `{clipping.method}` "
             f"({clipping.reason}), coverage of parameters: {coverage}.{optax_note}",
             "",
-            "| microbatch | way | temp MiB | median ms | time / plain [quartiles] |",
-            "|---:|---|---:|---:|---:|",
+            "| microbatch | way | temp MiB | GFLOP (XLA) | median ms | time / plain [quartiles] |",
+            "|---:|---|---:|---:|---:|---:|",
             *rows,
             "",
             f"Largest relative difference of a clipped sum from `vmap(grad)`: {worst:.1e} "
@@ -475,7 +495,11 @@ def preamble(quick: bool) -> str:
         "table); `ghost`, `two_pass`, `chunked` and `materialize` force that "
         "`clip_method`; `transform_fn=clip` and optax clip in `transform_fn`; "
         "`vmap(grad)` is `jax.vmap(jax.grad(loss))` over the whole batch, clipped and "
-        "summed (it does not depend on the microbatch; it is timed with the last one). "
+        "summed (it does not depend on the microbatch; it is timed with the last one); the "
+        "hand-written loop is `vmap(grad)`, clipped and summed, over contiguous slices in a "
+        "`fori_loop`; jax-privacy's `clipped_grad` runs where it is installed (a bench extra). "
+        "GFLOP is XLA's cost analysis of the compiled program, which counts a loop body "
+        "once: a structural measure, where the times are indicative on shared cores. "
         f"A way whose first call takes over {LIMIT_S:.0f} s is not timed."
         + (" Quick run: batch 256." if quick else "")
     )
@@ -498,6 +522,10 @@ def main(argv: Sequence[str]) -> None:
             return workload_table(w, sizes, count)
 
         out.append(lm)
+        for tokens, batch, size in ((64, 256, 64), (256, 64, 16)):  # issue 24's settings
+            out.append(
+                lambda t=tokens, b=batch, m=size: workload_table(tied_lm_workload(b, t), [m], count)
+            )
         return out
 
     report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts)
