@@ -50,7 +50,8 @@ PLAIN, VMAP = "plain", "`vmap(grad)`"
 AUTO = "`l2_clip_norm`"
 LOOP = "hand-written loop"
 
-try:  # benchmark-only dependency
+try:  # optional, not in the bench extra: its dependency pydantic breaks `make docs`
+    # (mkdocstrings' configuration); `.venv/bin/pip install jax-privacy==2.0.0` to time it
     import jax_privacy
 
     JAX_PRIVACY: str | None = f"jax-privacy {jax_privacy.__version__} `clipped_grad`"
