@@ -354,7 +354,14 @@ MATERIALIZE_FLOPS_PER_ENTRY = 12
 in flops of the ghost norms' products. Calibrated on 2 CPU cores with
 ``benchmarks/clipping.py``: on its transformer block (85k parameters, norms of 1.6
 Mflop per example) per-example gradients took 1.16-1.24x a plain step against ghost's
-1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x."""
+1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x.
+
+Not counted: the per-example weight-gradient products that materialize forms over an
+example's rows, which replace the plain step's one product over the batch but run as
+many small ones. On the tied transformer LM of ``benchmarks/clipping.py`` at 64 tokens
+the model puts ghost at 4.6x materialize (13.2M against 2.9M per example), where both
+measured 1.6-2.0x a plain step on 2 shared cores, materialize no slower; at 256 tokens
+(product forms) materialize took 1.15-1.25x against ghost's 1.3-1.7x, as the model says."""
 
 
 def materialize_cost(program: Program) -> int:
