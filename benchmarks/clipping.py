@@ -52,7 +52,7 @@ LOOP = "hand-written loop"
 
 try:  # optional, not in the bench extra: its dependency pydantic breaks `make docs`
     # (mkdocstrings' configuration); `.venv/bin/pip install jax-privacy==2.0.0` to time it
-    import jax_privacy
+    import jax_privacy  # pyright: ignore[reportMissingImports]
 
     JAX_PRIVACY: str | None = f"jax-privacy {jax_privacy.__version__} `clipped_grad`"
 except ImportError:  # pragma: no cover
