@@ -232,6 +232,9 @@ class _Calls:
             self.per_shard = _fsdp.supports_summed(kinds, settings.count)
             self.local_step = _methods.summed(request, self.folds, self.local)
         else:
+            self.statistics = _vmap.loop_over(
+                _methods.summed(request, kinds, settings), example.axes, settings
+            )
             one = _per_example.per_example(
                 example, request.clipping, request.transform, request.metrics
             )
@@ -266,6 +269,8 @@ class _Calls:
             args = tuple(_layout.replicated(a) if i in nums else a for i, a in enumerate(args))
         if request.summed:
             return self.looped(args, kwargs, weights, plan)
+        if plan.summed:  # the statistics method
+            return self.statistics(args, kwargs, weights, plan)
         return self.looped(args, kwargs, weights)
 
     def plan(

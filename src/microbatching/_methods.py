@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _accumulators, _clipping, _fsdp, _ghost, _layout, _per_example
-from ._inspect import ClippingReport, LeafRule
+from . import _accumulators, _clipping, _fsdp, _ghost, _layout, _per_example, _statistics
+from ._inspect import ClippingReport, LeafRule, StatisticRule
 from ._per_example import Aux, Examples, Sums
 from ._typing import PyTree, PyTreeFn
 from ._wrap import Settings
@@ -116,6 +116,13 @@ def _chunked(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any
     return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
 
 
+def _statistics_step(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    out = _per_example.statistics(sums, weights, args, kwargs)
+    if isinstance(out, str):  # the plan read the same program before the loop
+        raise RuntimeError(f"micro_grad planned the statistics, but in the loop {out}.")
+    return out
+
+
 def _materialize(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
     return _per_example.explicit(sums, weights, args, kwargs)
 
@@ -131,9 +138,16 @@ CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True)
 the gradient of the loss weighted by the clip factors."""
 MATERIALIZE = Method("materialize", _materialize, scales_loss=False, forms_gradients=True)
 """Per-example gradients, scaled and summed in the accumulation dtype."""
+STATISTICS = Method("statistics", _statistics_step, scales_loss=False, forms_gradients=False)
+"""A ``transform_fn`` read off its traced program: each output leaf's sum from the
+sites of the ghost engine, by the form ``_statistics`` gives it, without the
+per-example gradients of the model."""
 
-METHODS: dict[str, Method] = {m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE)}
-"""Every method, by name; ``clip_method`` names all but ``plain``, and ``"auto"``."""
+METHODS: dict[str, Method] = {
+    m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE, STATISTICS)
+}
+"""Every method, by name; ``clip_method`` names all but ``plain`` and ``statistics``
+(which ``auto`` picks for a ``transform_fn`` it can read), and ``"auto"``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +190,14 @@ class GradRequest:
         return identity and linear and not self.batched_grad
 
     @property
+    def reads_statistics(self) -> bool:
+        """Whether a call may take the statistics method: a ``transform_fn`` with linear
+        accumulators and no batched argnums, and ``clip_method`` left to ``auto``."""
+        identity = self.transform is _per_example.identity
+        linear = _accumulators.is_linear(self.accumulators)
+        return not identity and linear and not self.batched_grad and self.method == "auto"
+
+    @property
     def gradient_metrics(self) -> bool:
         """Whether ``metrics_fn`` needs each example's gradient (not ``l2_norm``)."""
         return self.metrics not in (_per_example.no_metrics, _per_example.l2_norm)
@@ -213,6 +235,7 @@ class GradPlan:
         one factor per example is exactly the scaled sum of the per-example gradients
         (``summed_is_exact`` with scaling), so that the mean's ``1 / rows`` may seed it.
       layout: The call's sharded layout (``_fsdp.layout``), or None.
+      reading: For ``statistics``, the reading of ``transform_fn`` and ``metrics_fn``.
     """
 
     method: Method
@@ -221,10 +244,26 @@ class GradPlan:
     summed: bool = True
     seedable: bool = False
     layout: _fsdp.Layout | None = None
+    reading: _statistics.Reading | None = None
 
     def report(self) -> ClippingReport:
         """The plan as ``clipping_report`` shows it."""
-        return ClippingReport(self.method.name, self.reason, self.leaves)
+        statistics: tuple[StatisticRule, ...] = ()
+        if self.reading is not None:
+            paths = [leaf.path for leaf in self.leaves]
+            statistics = tuple(
+                StatisticRule(
+                    f"transform_fn{s.path}",
+                    s.form,
+                    "" if s.leaf is None else paths[s.leaf],
+                    s.why,
+                )
+                for s in self.reading.outputs
+            ) + tuple(
+                StatisticRule(f"metrics_fn{s.path}", s.form, "", s.why)
+                for s in self.reading.metric_outputs
+            )
+        return ClippingReport(self.method.name, self.reason, self.leaves, statistics)
 
     def seeds(self, accumulators: Any, weighted: bool) -> bool:
         """Whether a step with ``accumulators`` seeds the backward pass with the mean's
@@ -277,8 +316,7 @@ def plan(
         return GradPlan(method, why, leaves, request.summed, seedable, layout)
 
     if not request.summed:
-        why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
-        return each(MATERIALIZE, "per-example", why)
+        return _per_example_plan(request, args, kwargs, layout, each)
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
         return each(MATERIALIZE, "per-example", "the batch is empty")
@@ -337,6 +375,56 @@ def plan(
     return GradPlan(method, f"{why}: {costs}", leaves, layout=layout)
 
 
+_PER_EXAMPLE = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
+
+
+def _per_example_plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: _fsdp.Layout | None,
+    each: Callable[[Method, str, str], GradPlan],
+) -> GradPlan:
+    """The plan of a call with a ``transform_fn`` or accumulators other than SUM and
+    MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``
+    (``_statistics.read``), else the per-example gradients (materialize), with why."""
+    if not request.reads_statistics:
+        why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
+        return each(MATERIALIZE, "per-example", why)
+    first = _per_example.find_batched(request.example.axes, args, kwargs)
+    if first is None or not first.shape[0]:
+        return each(MATERIALIZE, "per-example", "the batch is empty")
+    if layout is not None:
+        why = (
+            "the parameters are sharded over the batch's mesh axes (or their layout "
+            "cannot be seen), and the statistics method does not lay its sums out per "
+            "shard yet"
+        )
+        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {why}")
+    sums = request.sums()
+    program = _per_example.read_program(sums, args, kwargs)
+    if isinstance(program, str):
+        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {program}")
+    grads = _per_example.gradient_shapes(request.example, args)
+    norms = request.metrics is _per_example.l2_norm
+    reading = _statistics.read(
+        request.transform, sums.metrics, norms, grads, program.rules, program.sites
+    )
+    if isinstance(reading, str):
+        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {reading}")
+    paths = _per_example.leaf_paths(request.example, args)
+    leaves = tuple(
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
+        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
+    )
+    counts: dict[str, int] = {}
+    for s in reading.outputs:
+        counts[s.form] = counts.get(s.form, 0) + 1
+    forms = ", ".join(f"{n} {form}" for form, n in counts.items())
+    why = f"transform_fn read off its traced program, its output leaves from the sites: {forms}"
+    return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
+
+
 def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Callable[..., Any]:
     """``per_microbatch(plan, weights, *args, **kwargs)``: a microbatch's summed (or
     averaged) gradient and its per-example ``Aux``, by the plan's method.
@@ -349,6 +437,7 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
 
     def per_microbatch(plan: GradPlan, weights: Any, *args: Any, **kwargs: Any) -> Any:
         step = plan.method.step
+        here = sums if plan.reading is None else dataclasses.replace(sums, reading=plan.reading)
         with jax.named_scope("micro_grad_step"):
             first = _per_example.first_batched(axes, args, kwargs)
             rows = first.shape[0]
@@ -359,15 +448,15 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
                     # result: XLA then adds an embedding's scattered gradient into the
                     # carry in place, where a scaled one took a copy of the table and
                     # 2.5x the time.
-                    grads, aux = step(sums, 1 / rows, None, args, kwargs)
+                    grads, aux = step(here, 1 / rows, None, args, kwargs)
                     return _open_all(grads, requested, None), aux
-                grads, aux = step(sums, None, weights, args, kwargs)
+                grads, aux = step(here, None, weights, args, kwargs)
                 if weights is None:
                     grads = _accumulators.per_row(accumulators, grads, rows)
                 return _open_all(grads, requested, None), aux
 
             def local(w: Any, *a: Any, **k: Any) -> Any:
-                return step(sums, None, w, a, k)
+                return step(here, None, w, a, k)
 
             grads, aux = _per_example.by_shard(local, axes, where, weights, args, kwargs)
             grads = _open_all(grads, requested, "sum", where)
