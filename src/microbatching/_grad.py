@@ -231,9 +231,12 @@ class _Calls:
             )
             self.per_shard = _fsdp.supports_summed(kinds, settings.count)
             self.local_step = _methods.summed(request, self.folds, self.local)
+            self.statistics: Any = None  # the summed loop runs the statistics method too
         else:
-            self.statistics = _vmap.loop_over(
-                _methods.summed(request, kinds, settings), example.axes, settings
+            self.statistics = (
+                _vmap.loop_over(_methods.summed(request, kinds, settings), example.axes, settings)
+                if request.reads_statistics
+                else None
             )
             one = _per_example.per_example(
                 example, request.clipping, request.transform, request.metrics
@@ -269,7 +272,7 @@ class _Calls:
             args = tuple(_layout.replicated(a) if i in nums else a for i, a in enumerate(args))
         if request.summed:
             return self.looped(args, kwargs, weights, plan)
-        if plan.summed:  # the statistics method
+        if plan.summed and self.statistics is not None:  # the statistics method
             return self.statistics(args, kwargs, weights, plan)
         return self.looped(args, kwargs, weights)
 

@@ -191,11 +191,10 @@ class GradRequest:
 
     @property
     def reads_statistics(self) -> bool:
-        """Whether a call may take the statistics method: a ``transform_fn`` with linear
-        accumulators and no batched argnums, and ``clip_method`` left to ``auto``."""
-        identity = self.transform is _per_example.identity
+        """Whether a call may take the statistics method: linear accumulators, no
+        batched argnums, and ``clip_method`` left to ``auto``."""
         linear = _accumulators.is_linear(self.accumulators)
-        return not identity and linear and not self.batched_grad and self.method == "auto"
+        return linear and not self.batched_grad and self.method == "auto"
 
     @property
     def gradient_metrics(self) -> bool:
@@ -315,11 +314,11 @@ def plan(
         )
         return GradPlan(method, why, leaves, request.summed, seedable, layout)
 
-    if not request.summed:
-        return _per_example_plan(request, args, kwargs, layout, each)
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
         return each(MATERIALIZE, "per-example", "the batch is empty")
+    if not request.summed:
+        return _per_example_plan(request, args, kwargs, layout, each)
     scaled = request.clipping is not None or weighted
 
     proven: dict[bool, bool] = {}
@@ -346,6 +345,9 @@ def plan(
     if asked == "chunked":
         return each(CHUNKED, "per-example", _ASKED)
     if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
+        found = _statistics_plan(request, args, kwargs, layout)
+        if not isinstance(found, str):
+            return found
         why = (
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
             "gives the norms without them)"
@@ -386,42 +388,53 @@ def _per_example_plan(
     each: Callable[[Method, str, str], GradPlan],
 ) -> GradPlan:
     """The plan of a call with a ``transform_fn`` or accumulators other than SUM and
-    MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``
-    (``_statistics.read``), else the per-example gradients (materialize), with why."""
+    MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``,
+    else the per-example gradients (materialize), with why."""
     if not request.reads_statistics:
         why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
         return each(MATERIALIZE, "per-example", why)
-    first = _per_example.find_batched(request.example.axes, args, kwargs)
-    if first is None or not first.shape[0]:
-        return each(MATERIALIZE, "per-example", "the batch is empty")
+    found = _statistics_plan(request, args, kwargs, layout)
+    if isinstance(found, str):
+        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {found}")
+    return found
+
+
+def _statistics_plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: _fsdp.Layout | None,
+) -> GradPlan | str:
+    """The statistics method's plan where it reads ``transform_fn`` and ``metrics_fn``
+    (``_statistics.read``) and the ghost engine reads the loss; else why not. The batch
+    is not empty."""
     if layout is not None:
-        why = (
-            "the parameters are sharded over the batch's mesh axes (or their layout "
-            "cannot be seen), and the statistics method does not lay its sums out per "
-            "shard yet"
+        return (
+            "the parameters are sharded over the batch's mesh axes (or their layout cannot "
+            "be seen), and the statistics method does not lay its sums out per shard"
         )
-        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {why}")
     sums = request.sums()
     program = _per_example.read_program(sums, args, kwargs)
     if isinstance(program, str):
-        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {program}")
+        return program
     grads = _per_example.gradient_shapes(request.example, args)
     norms = request.metrics is _per_example.l2_norm
     reading = _statistics.read(
         request.transform, sums.metrics, norms, grads, program.rules, program.sites
     )
     if isinstance(reading, str):
-        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {reading}")
+        return reading
     paths = _per_example.leaf_paths(request.example, args)
     leaves = tuple(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
         for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
     )
     counts: dict[str, int] = {}
-    for s in reading.outputs:
+    for s in reading.outputs + reading.metric_outputs:
         counts[s.form] = counts.get(s.form, 0) + 1
     forms = ", ".join(f"{n} {form}" for form, n in counts.items())
-    why = f"transform_fn read off its traced program, its output leaves from the sites: {forms}"
+    read = "transform_fn and metrics_fn" if reading.metric_outputs else "transform_fn"
+    why = f"{read} read off the traced program, each output leaf from the sites: {forms}"
     return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
 
 

@@ -116,6 +116,8 @@ class _Value:
         the leaf's shape.
       monomial: Where it is ``C * m(x)`` of its one leaf, ``m``; else None.
       positive: Where it has a monomial, whether ``C >= 0`` is known.
+      coefficient: Where it has a monomial and ``C`` is a product of literal scalars,
+        ``C``; else None (``C`` is then read as the value at 1).
       scalar: For a constant that is a Python or literal scalar, its value.
     """
 
@@ -124,6 +126,7 @@ class _Value:
     elementwise: bool = False
     monomial: Monomial | None = None
     positive: bool = False
+    coefficient: float | None = None
     scalar: float | None = None
 
     @property
@@ -170,7 +173,7 @@ def _step(e: Any, ins: list[_Value], shapes: dict[int, tuple[int, ...]], out: An
     deps = frozenset().union(*(v.deps for v in live))
     linear = _linear(name, e, ins) and all(v.linear for v in live)
     elementwise = False
-    monomial, positive = None, False
+    monomial, positive, coefficient = None, False, None
     if name in _ELEMENTWISE and len(deps) == 1 and -1 not in deps:
         (leaf,) = deps
         shape = tuple(out.aval.shape)
@@ -183,14 +186,16 @@ def _step(e: Any, ins: list[_Value], shapes: dict[int, tuple[int, ...]], out: An
         )
         elementwise = same and shaped
         if elementwise:
-            monomial, positive = _monomial(name, e, ins, live, consts)
-    return _Value(deps, linear, elementwise, monomial, positive)
+            monomial, positive, coefficient = _monomial(name, e, ins, live, consts)
+    return _Value(deps, linear, elementwise, monomial, positive, coefficient)
 
 
 def _linear(name: str, e: Any, ins: list[_Value]) -> bool:
     """Whether ``e`` is linear in its operands that read the gradient."""
     consts = [v.constant for v in ins]
-    if name in ("add", "sub", "add_any", "concatenate"):
+    if name in ("add", "sub", "add_any"):  # adding a literal 0 (``sum`` starts there)
+        return all(v.scalar == 0 for v in ins if v.constant)
+    if name == "concatenate":
         return not any(consts)
     if name in _SHAPE_LINEAR:
         return len(ins) == 1
@@ -211,49 +216,55 @@ def _linear(name: str, e: Any, ins: list[_Value]) -> bool:
 
 def _monomial(
     name: str, e: Any, ins: list[_Value], live: list[_Value], consts: list[_Value]
-) -> tuple[Monomial | None, bool]:
-    """``(m, C >= 0 known)`` where an elementwise value is ``C * m(x)``, else None."""
+) -> tuple[Monomial | None, bool, float | None]:
+    """``(m, C >= 0 known, C where a Python scalar)`` where an elementwise value is
+    ``C * m(x)``; ``m`` None where it is not."""
+    none = (None, False, None)
     monos = [v.monomial for v in live]
     if any(m is None for m in monos):
-        return None, False
+        return none
     first, one = monos[0], live[0]
     assert first is not None  # for the type checker: checked above
+    c = one.coefficient
     if name in ("copy", "copy_p"):
-        return first, one.positive
+        return first, one.positive, c
     if name == "convert_element_type":
         same = e.params["new_dtype"] == e.invars[0].aval.dtype
-        return (first, one.positive) if same else (None, False)
+        return (first, one.positive, c) if same else none
     if name == "neg":
-        return first, False
+        return first, False, None if c is None else -c
     if name == "mul":
         if len(live) == 2:
-            second = monos[1]
+            second, other = monos[1], live[1]
             assert second is not None
-            return first.times(second), live[0].positive and live[1].positive
+            both = None if c is None or other.coefficient is None else c * other.coefficient
+            return first.times(second), one.positive and other.positive, both
         scalar = consts[0].scalar
-        return first, one.positive and scalar is not None and scalar >= 0
+        known = None if c is None or scalar is None else c * scalar
+        return first, one.positive and scalar is not None and scalar >= 0, known
     if name == "div" and not ins[0].constant and ins[1].constant:
         scalar = ins[1].scalar
-        return first, one.positive and scalar is not None and scalar > 0
-    if name == "integer_pow":
-        y = e.params["y"]
-        return (first.power(y), one.positive or y % 2 == 0) if y >= 0 else (None, False)
-    if name == "square":
-        return first.power(2), True
-    if name in ("pow", "sqrt"):
-        y = 0.5 if name == "sqrt" else (ins[1].scalar if ins[1].constant else None)
+        if scalar == 0:
+            return none
+        known = None if c is None or scalar is None else c / scalar
+        return first, one.positive and scalar is not None and scalar > 0, known
+    if name in ("integer_pow", "square", "pow", "sqrt"):
+        y = {"integer_pow": e.params.get("y"), "square": 2, "sqrt": 0.5}.get(
+            name, ins[-1].scalar if ins[-1].constant else None
+        )
         if y is None or y < 0 or ins[0].constant:
-            return None, False
+            return none
+        known = None if c is None else c**y
         if float(y).is_integer():
-            return first.power(y), one.positive or int(y) % 2 == 0
+            return first.power(y), one.positive or int(y) % 2 == 0, known
         if one.positive and first.not_negative:
-            return first.power(y), True
-        return None, False
+            return first.power(y), True, known
+        return none
     if name == "abs":
-        return first.absolute(), True
+        return first.absolute(), True, None if c is None else abs(c)
     if name == "sign":
-        return first.signum(), one.positive
-    return None, False
+        return first.signum(), one.positive, None if c is None else float(np.sign(c))
+    return none
 
 
 def _walk(
@@ -293,6 +304,8 @@ class Statistic:
       leaf: For ``factorised`` and ``direct``, the gradient leaf it reads.
       monomial: For ``factorised``, ``m`` of ``C * m(g)``.
       why: Why it takes its form, in words.
+      coefficient: For ``factorised``, ``C`` where it is a Python scalar; None where it
+        is read off ``transform_fn`` at 1 (``m(1) = 1``).
     """
 
     path: str
@@ -300,6 +313,7 @@ class Statistic:
     leaf: int | None = None
     monomial: Monomial | None = None
     why: str = ""
+    coefficient: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +343,7 @@ def _read_values(fn: Callable[[PyTree], PyTree], grads: PyTree) -> tuple[list[_V
     shapes = {i: tuple(g.shape) for i, g in enumerate(leaves)}
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(grads)
     given = [
-        _Value(frozenset({i}), True, True, Monomial(), True) for i in range(len(leaves))
+        _Value(frozenset({i}), True, True, Monomial(), True, 1.0) for i in range(len(leaves))
     ]
     return _walk(closed, given, shapes), jax.tree.structure(shape), shape
 
@@ -406,7 +420,9 @@ def _form(path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any]) 
         return Statistic(path, "direct", leaf, why=f"multiplicative, but {where}")
     if not sites[rule.sites[0]].linear:
         return Statistic(path, "direct", leaf, why="its site is not linear in its cotangent")
-    return Statistic(path, "factorised", leaf, monomial, "multiplicative, one row per example")
+    return Statistic(
+        path, "factorised", leaf, monomial, "multiplicative, one row per example", value.coefficient
+    )
 
 
 # --- the computation, in the loop ------------------------------------------------------
@@ -471,9 +487,12 @@ def sums(
             outs[j] = at_zero[j] * count.astype(at_zero[j].dtype)
         elif s.form == "factorised":
             assert s.leaf is not None  # for the type checker: read so
-            ones = [jnp.ones_like(z) if i == s.leaf else z for i, z in enumerate(zeros)]
-            coefficient = outputs(ones)[j]  # C * m(1), and m(1) = 1
-            outs[j] = coefficient * _factorised(program, params, seen, s, rows)
+            product = _factorised(program, params, seen, s, rows)
+            if s.coefficient is None:
+                ones = [jnp.ones_like(z) if i == s.leaf else z for i, z in enumerate(zeros)]
+                outs[j] = outputs(ones)[j] * product  # C * m(1), and m(1) = 1
+            else:
+                outs[j] = product if s.coefficient == 1 else product * s.coefficient
         elif s.form == "direct":
             assert s.leaf is not None
             direct.setdefault(s.leaf, []).append(j)
