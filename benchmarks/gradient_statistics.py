@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from accumulation import Fn, loss, mlp, ms, ratio, report  # benchmarks/ is on sys.path
 from clipping import OPTAX, Warm, interleaved, optax_mb, relative_error, warm_up
 
@@ -55,7 +54,9 @@ def direction(params: Any) -> Any:
     """A fixed gradient-shaped direction (a reference gradient, say)."""
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    )
 
 
 def first(fn: Fn) -> Fn:
@@ -91,7 +92,7 @@ def vmap_then(transform: Callable[[Any], Any], v: Any = None) -> Fn:
 
 
 def dot(g: Any, v: Any) -> jax.Array:
-    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v)))
+    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True))
 
 
 def ways(name: str, size: int, params: Any) -> dict[str, Fn]:
@@ -135,7 +136,6 @@ def table(name: str, examples: int, size: int, reps: int) -> str:
     y = jax.random.randint(k2, (examples,), 0, 10)
     args = (params, x, y)
     fns = ways(name, size, params)
-    auto = "`micro_grad` auto"
     report_of = mb.clipping_report(
         mb.micro_grad(
             loss,

@@ -115,9 +115,7 @@ class ClippingReport:
             f"{'+'.join(leaf.sites)}"
             for leaf in self.leaves
         ]
-        forms = [
-            f"  {s.path:<40} {s.form:<10} {s.leaf:<24} {s.why}" for s in self.statistics
-        ]
+        forms = [f"  {s.path:<40} {s.form:<10} {s.leaf:<24} {s.why}" for s in self.statistics]
         return "\n".join([head, f"coverage of parameters: {share}", *rows, *forms])
 
 

@@ -39,6 +39,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import Literal as JaxprLiteral
 
@@ -158,18 +159,25 @@ _SHAPE_LINEAR = {
 
 
 def _literal(x: Any) -> float | None:
-    value = np.asarray(x)
-    if value.shape != () or not np.issubdtype(value.dtype, np.number):
+    """The value of a real scalar known when the program is read; else None (an array,
+    or a value traced by an enclosing ``jit``)."""
+    if isinstance(x, bool | int | float):
+        return float(x)
+    if isinstance(x, Tracer) or getattr(x, "shape", None) != ():
         return None
-    return float(value.real) if np.isrealobj(value) else None
+    value = np.asarray(x)
+    if not (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)):
+        return None
+    return float(value)
 
 
 def _step(e: Any, ins: list[_Value], shapes: dict[int, tuple[int, ...]], out: Any) -> _Value:
     """The value of equation ``e``'s one output, from its operands."""
     name = e.primitive.name
     live = [v for v in ins if not v.constant]
-    if not live:
-        return _Value()
+    if not live:  # a constant; a scalar's value is followed through casts
+        kept = name in ("convert_element_type", "copy", "copy_p") and ins[0].scalar is not None
+        return _Value(scalar=ins[0].scalar if kept else None)
     deps = frozenset().union(*(v.deps for v in live))
     linear = _linear(name, e, ins) and all(v.linear for v in live)
     elementwise = False
@@ -195,7 +203,7 @@ def _linear(name: str, e: Any, ins: list[_Value]) -> bool:
     consts = [v.constant for v in ins]
     if name in ("add", "sub", "add_any"):  # adding a literal 0 (``sum`` starts there)
         return all(v.scalar == 0 for v in ins if v.constant)
-    if name == "concatenate":
+    if name in ("concatenate", "stack"):
         return not any(consts)
     if name in _SHAPE_LINEAR:
         return len(ins) == 1
@@ -271,7 +279,9 @@ def _walk(
     closed: ClosedJaxpr, given: list[_Value], shapes: dict[int, tuple[int, ...]]
 ) -> list[_Value]:
     def walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[_Value]) -> list[_Value]:
-        env: dict[Any, _Value] = {v: _Value(scalar=_literal(c)) for v, c in zip(jaxpr.constvars, consts, strict=True)}
+        env: dict[Any, _Value] = {
+            v: _Value(scalar=_literal(c)) for v, c in zip(jaxpr.constvars, consts, strict=True)
+        }
         env.update(zip(jaxpr.invars, args, strict=True))
 
         def read(v: Any) -> _Value:
@@ -342,9 +352,7 @@ def _read_values(fn: Callable[[PyTree], PyTree], grads: PyTree) -> tuple[list[_V
     leaves = jax.tree.leaves(grads)
     shapes = {i: tuple(g.shape) for i, g in enumerate(leaves)}
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(grads)
-    given = [
-        _Value(frozenset({i}), True, True, Monomial(), True, 1.0) for i in range(len(leaves))
-    ]
+    given = [_Value(frozenset({i}), True, True, Monomial(), True, 1.0) for i in range(len(leaves))]
     return _walk(closed, given, shapes), jax.tree.structure(shape), shape
 
 
@@ -414,8 +422,10 @@ def _form(path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any]) 
         return Statistic(path, "direct", leaf, why="elementwise, not 0 at 0")
     one_row = rule.name == "dense" and rule.form == "rows"
     if not one_row:
-        where = f"its leaf takes the {rule.name} rule" if rule.name != "dense" else (
-            "its dense site has more than one row per example"
+        where = (
+            f"its leaf takes the {rule.name} rule"
+            if rule.name != "dense"
+            else ("its dense site has more than one row per example")
         )
         return Statistic(path, "direct", leaf, why=f"multiplicative, but {where}")
     if not sites[rule.sites[0]].linear:
@@ -504,7 +514,9 @@ def sums(
             found = outputs(full)
             return [found[j] for j in js]
 
-        for j, value in zip(js, _direct(program, params, seen, leaf, picked, rows, requested)):
+        for j, value in zip(
+            js, _direct(program, params, seen, leaf, picked, rows, requested), strict=True
+        ):
             outs[j] = value
     return outs
 
@@ -555,7 +567,10 @@ def _direct(
     sites = list(program.rules[leaf].sites)
     grads = _ghost.per_example_grads(program, params, [leaf], sites)
     one = jax.ShapeDtypeStruct(program.avals[leaf].shape, program.avals[leaf].dtype)
-    dtypes = [(o.dtype, _accumulators.accumulation_dtype(o.dtype, requested)) for o in jax.eval_shape(picked, one)]
+    dtypes = [
+        (o.dtype, _accumulators.accumulation_dtype(o.dtype, requested))
+        for o in jax.eval_shape(picked, one)
+    ]
     shapes = [o.shape for o in jax.eval_shape(picked, one)]
     n = rows.weights.shape[0]
     most = _ghost.chunk(program, [leaf])
@@ -626,8 +641,8 @@ def metric_values(
             return pull(cotangent)[0]
 
         basis = jnp.eye(size, dtype=out.dtype)
-        each = jax.vmap(
-            lambda e: _ghost.linear_values(program, params, seen, direction(e))
-        )(basis)  # (size, rows)
+        each = jax.vmap(lambda e: _ghost.linear_values(program, params, seen, direction(e)))(
+            basis
+        )  # (size, rows)
         values.append(jnp.transpose(each).reshape(rows, *out.shape).astype(out.dtype))
     return jax.tree.unflatten(structure, values)
