@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import microbatching
 from microbatching import AccumulationType, micro_grad
@@ -476,3 +477,33 @@ def test_report_names_each_output_leaf():
     text = str(report)
     assert "transform_fn[1]['dense1']['kernel']" in text and "factorised" in text
     assert math.isclose(sum(report.coverage().values()), 1.0)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_batch_split_over_a_mesh_takes_the_per_example_path(axis_type):
+    model = mlp()
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
+    options = {"batch_mesh_axes": "data"} if axis_type == "Auto" else {}
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, P("data")))
+        fn = grad_fn(model, MOMENTS, **options)
+        report = microbatching.clipping_report(fn, model.params, *batch)
+        got, _ = jax.jit(fn)(model.params, *batch)
+    assert report.method == "materialize" and "split over a mesh" in report.reason
+    assert_close(got, reference(per_example_grads(model), MOMENTS), terms=2, factor=4)
+
+
+def test_a_transform_closing_over_traced_values():
+    model = mlp()
+    grads = per_example_grads(model)
+    (v,) = directions(model, 1)
+
+    @jax.jit
+    def step(params: Any, scale: jax.Array, v: Any) -> Any:
+        fn = grad_fn(model, tree(lambda x: scale * x**2), metrics_fn=lambda g: dot(g, v))
+        return fn(params, *model.batch)
+
+    got, aux = step(model.params, jnp.float32(0.5), v)
+    assert_close(got, reference(grads, tree(lambda x: 0.5 * x**2)), terms=2, factor=4)
+    assert_close(aux.metrics, jax.vmap(lambda g: dot(g, v))(grads), factor=4)

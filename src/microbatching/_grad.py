@@ -294,13 +294,14 @@ class _Calls:
             leaves = jax.tree.leaves([args[i] for i in nums if i < len(args)])
             where = _fsdp.layout(first, leaves, settings.mesh_axes, request.trade, given)
         weighted = weights is not None or padded
+        sharded = first is not None and _layout.shards(first, 0, settings.mesh_axes) is not None
         nums = example.nums()
 
         def abstract(owner: int | str) -> bool:  # the batch and the parameters
             return owner in nums or example.axes.spec(owner) is not None
 
         def planned(a: tuple[Any, ...], k: dict[str, Any]) -> _methods.GradPlan:
-            return _methods.plan(request, a, k, weighted, where)
+            return _methods.plan(request, a, k, weighted, where, sharded)
 
         return _abstractly(planned, args, kwargs, abstract)
 

@@ -292,9 +292,11 @@ def plan(
     kwargs: dict[str, Any],
     weighted: bool,
     layout: _fsdp.Layout | None = None,
+    sharded: bool = False,
 ) -> GradPlan:
     """The plan of one call with positional ``args`` and ``kwargs`` (no weights), which
-    are weighted where ``weighted``; raises where the method asked for cannot compute it.
+    are weighted where ``weighted``, and whose batch is split over a mesh where
+    ``sharded``; raises where the method asked for cannot compute it.
 
     Every decision of the summed path is here, in this order: nothing per example (the
     plain gradient, where exact); a ``metrics_fn`` that needs the gradients (chunked);
@@ -318,7 +320,7 @@ def plan(
     if first is None or not first.shape[0]:
         return each(MATERIALIZE, "per-example", "the batch is empty")
     if not request.summed:
-        return _per_example_plan(request, args, kwargs, layout, each)
+        return _per_example_plan(request, args, kwargs, layout, sharded, each)
     scaled = request.clipping is not None or weighted
 
     proven: dict[bool, bool] = {}
@@ -345,7 +347,7 @@ def plan(
     if asked == "chunked":
         return each(CHUNKED, "per-example", _ASKED)
     if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
-        found = _statistics_plan(request, args, kwargs, layout)
+        found = _statistics_plan(request, args, kwargs, layout, sharded)
         if not isinstance(found, str):
             return found
         why = (
@@ -385,6 +387,7 @@ def _per_example_plan(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     layout: _fsdp.Layout | None,
+    sharded: bool,
     each: Callable[[Method, str, str], GradPlan],
 ) -> GradPlan:
     """The plan of a call with a ``transform_fn`` or accumulators other than SUM and
@@ -393,7 +396,7 @@ def _per_example_plan(
     if not request.reads_statistics:
         why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
         return each(MATERIALIZE, "per-example", why)
-    found = _statistics_plan(request, args, kwargs, layout)
+    found = _statistics_plan(request, args, kwargs, layout, sharded)
     if isinstance(found, str):
         return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {found}")
     return found
@@ -404,14 +407,15 @@ def _statistics_plan(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     layout: _fsdp.Layout | None,
+    sharded: bool,
 ) -> GradPlan | str:
     """The statistics method's plan where it reads ``transform_fn`` and ``metrics_fn``
     (``_statistics.read``) and the ghost engine reads the loss; else why not. The batch
     is not empty."""
-    if layout is not None:
+    if sharded or layout is not None:
         return (
-            "the parameters are sharded over the batch's mesh axes (or their layout cannot "
-            "be seen), and the statistics method does not lay its sums out per shard"
+            "the batch is split over a mesh, and the statistics method does not lay its "
+            "sums out per shard yet"
         )
     sums = request.sums()
     program = _per_example.read_program(sums, args, kwargs)
