@@ -82,9 +82,22 @@ def micro_grad(
         size 1); if False, without the batch axis.
       microbatch_size: Examples per microbatch; None does the whole batch at once.
       accumulator: How to combine the transformed gradients (default SUM).
-      transform_fn: Applied to each example's gradient before accumulation.
+      transform_fn: Applied to each example's gradient before accumulation. With SUM
+        or MEAN, ``micro_grad`` reads it off its traced program: an output leaf linear
+        in the gradient (the gradient itself, a multiple, a ``vdot`` with a fixed
+        direction) comes from the (clipped) sum; a multiplicative function of one leaf
+        (``g**2``, ``jnp.sign``, ``jnp.abs``) at a dense layer without a sequence is one
+        product of the layer's activations and output cotangents, as the gradient's
+        own; any other elementwise function of one leaf is that leaf's own per-example
+        gradients, a chunk of examples at a time. The model's per-example gradients
+        are then never formed; anything else forms them. ``clipping_report`` says which
+        form each output leaf takes, and ``clip_method="materialize"`` forms them
+        always.
       metrics_fn: Applied to each example's gradient before ``transform_fn``; returned
-        per example in ``Aux.metrics``, so keep it small (a norm, a sign...).
+        per example in ``Aux.metrics``, so keep it small (a norm, a sign...). A
+        ``metrics_fn`` linear in the gradient (a dot product with a reference
+        gradient, a fixed projection) is read the same way, from one more product per
+        layer.
       num_real_microbatches: See ``microbatch``.
       l2_clip_norm: If set, each example's gradient is first scaled by
         ``min(1, l2_clip_norm / ||g_b||)``, its L2 norm taken over the whole gradient
@@ -116,7 +129,9 @@ def micro_grad(
           then that weighted gradient.
         - ``"materialize"``: per-example gradients, scaled and summed.
         - ``"auto"`` (default): ``"ghost"`` or ``"materialize"``, whichever a cost
-          model finds cheaper for the call; ``clipping_report`` says which, and why.
+          model finds cheaper for the call, or the ``statistics`` method for a
+          ``transform_fn`` or ``metrics_fn`` it can read (see ``transform_fn``);
+          ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
       gather_params: Where differentiated arguments sharded over the batch's mesh axes
