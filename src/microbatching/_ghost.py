@@ -901,7 +901,7 @@ def linear_values(
         ]
 
     primals = [params[leaf] for leaf in leaves]
-    tangents = [jnp.asarray(direction[leaf], params[leaf].dtype) for leaf in leaves]
+    tangents = [jnp.asarray(direction[leaf], jnp.result_type(params[leaf])) for leaf in leaves]
     _, pushed = jax.jvp(outs_of, (primals,), (tangents,))
     total: Any = 0
     for k, outs in zip(sites, pushed, strict=True):

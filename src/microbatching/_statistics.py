@@ -479,7 +479,7 @@ def sums(
     def outputs(leaves: list[Any]) -> list[Any]:
         return jax.tree.leaves(fn(tree(leaves)))
 
-    zeros = [jnp.zeros(p.shape, p.dtype) for p in params]
+    zeros = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in params]
     outs: list[Any] = [None] * len(reading.outputs)
     forms = [s.form for s in reading.outputs]
     if "linear" in forms:
@@ -623,7 +623,7 @@ def metric_values(
     entry of each output leaf, from the sites (``_ghost.linear_values``)."""
     metrics = reading.metrics
     assert metrics is not None  # for the type checker: a linear reading has metrics
-    zeros = [jnp.zeros(p.shape, p.dtype) for p in params]
+    zeros = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in params]
 
     def flat(leaves: list[Any]) -> list[Any]:
         return jax.tree.leaves(metrics(tree(leaves)))
