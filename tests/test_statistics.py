@@ -69,7 +69,13 @@ MODELS = {
 
 
 def grad_fn(model: Model, transform: Any, **options: Any) -> Any:
-    options = {"microbatch_size": MICROBATCH, "accumulator": MEAN, **options}
+    """``micro_grad`` of ``model`` with ``transform``, the statistics method forced unless
+    ``clip_method`` says otherwise (``auto`` may find the per-example path cheaper on
+    these small models)."""
+    options = {
+        "microbatch_size": MICROBATCH, "accumulator": MEAN, "clip_method": "statistics",
+        **options,
+    }  # fmt: skip
     return micro_grad(
         model.loss,
         batch_argnums=tuple(range(1, 1 + len(model.batch))),
@@ -268,7 +274,7 @@ def global_scale(g: Any) -> Any:
 )
 def test_an_unread_transform_takes_the_per_example_path(transform, why):
     model = mlp()
-    fn = grad_fn(model, transform)
+    fn = grad_fn(model, transform, clip_method="auto")
     report = microbatching.clipping_report(fn, model.params, *model.batch)
     assert report.method == "materialize"
     assert why in report.reason
@@ -287,7 +293,9 @@ def test_materialize_can_be_forced():
 def test_a_custom_accumulator_or_max_takes_the_per_example_path():
     model = mlp()
     report = microbatching.clipping_report(
-        grad_fn(model, MOMENTS, accumulator=AccumulationType.MAX), model.params, *model.batch
+        grad_fn(model, MOMENTS, accumulator=AccumulationType.MAX, clip_method="auto"),
+        model.params,
+        *model.batch,
     )
     assert report.method == "materialize"
 
@@ -335,7 +343,7 @@ def test_linear_metrics_against_vmap_grad(name):
 
 def test_a_metric_that_is_not_linear_forms_the_gradients():
     model = mlp()
-    fn = grad_fn(model, MOMENTS, metrics_fn=tree(jnp.linalg.norm))
+    fn = grad_fn(model, MOMENTS, metrics_fn=tree(jnp.linalg.norm), clip_method="auto")
     report = microbatching.clipping_report(fn, model.params, *model.batch)
     assert report.method == "materialize"
     assert "metrics_fn's output" in report.reason and "not linear" in report.reason
@@ -506,7 +514,9 @@ def test_a_batch_split_over_a_mesh_takes_the_per_example_path(axis_type):
     model = mlp()
     kind = getattr(jax.sharding.AxisType, axis_type)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
-    options = {"batch_mesh_axes": "data"} if axis_type == "Auto" else {}
+    options: dict[str, Any] = {"clip_method": "auto"}
+    if axis_type == "Auto":
+        options["batch_mesh_axes"] = "data"
     with jax.set_mesh(mesh):
         batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, P("data")))
         fn = grad_fn(model, MOMENTS, **options)
@@ -529,3 +539,38 @@ def test_a_transform_closing_over_traced_values():
     got, aux = step(model.params, jnp.float32(0.5), v)
     assert_close(got, reference(grads, tree(lambda x: 0.5 * x**2)), terms=2, factor=4)
     assert_close(aux.metrics, jax.vmap(lambda g: dot(g, v))(grads), factor=4)
+
+
+def test_auto_takes_the_cheaper_of_the_two():
+    model = mlp()
+    report = microbatching.clipping_report(
+        grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
+    )
+    assert report.method == "statistics" and "flops per example against" in report.reason
+    model = attention()  # every leaf's sites hold 5 rows: each moment is read directly
+    report = microbatching.clipping_report(
+        grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
+    )
+    assert report.method == "materialize"
+    assert "forming the per-example gradients costs less" in report.reason
+
+
+def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='statistics', which sums the transformed gradients .* use SUM "
+        r"or MEAN, or clip_method='auto'",
+    ):
+        grad_fn(mlp(), MOMENTS, accumulator=AccumulationType.MAX)
+
+
+def test_statistics_asked_for_a_transform_it_cannot_read():
+    model = mlp()
+    fn = grad_fn(model, tree(jnp.sort))
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='statistics', but it cannot compute this call without the "
+        r"per-example gradients: transform_fn's output \['dense1'\]\['bias'\] is not "
+        r"read: .*Pass clip_method='auto'",
+    ):
+        fn(model.params, *model.batch)

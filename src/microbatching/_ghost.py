@@ -338,6 +338,12 @@ def _rows_of(program: Program, site: Site) -> int:
     return max(1, math.prod(out) // max(out[-1], 1)) if out else 1
 
 
+def product_flops(program: Program, leaf: int) -> int:
+    """Per-example flops of ``leaf``'s own gradient from its sites' products."""
+    size = math.prod(program.avals[leaf].shape)
+    return size * sum(_rows_of(program, program.sites[k]) for k in program.rules[leaf].sites)
+
+
 def ghost_cost(program: Program) -> int:
     """Per-example flops that the ghost norms add to a gradient: each leaf's rule."""
     return sum(rule.flops for rule in program.rules)

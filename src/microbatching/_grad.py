@@ -128,9 +128,14 @@ def micro_grad(
         - ``"chunked"``: per-example gradients a chunk of rows at a time for the norms,
           then that weighted gradient.
         - ``"materialize"``: per-example gradients, scaled and summed.
+        - ``"statistics"``: ``transform_fn`` and ``metrics_fn`` read off their traced
+          programs, each output leaf summed from the layers' activations and output
+          cotangents (see ``transform_fn``), with SUM or MEAN; a ``ValueError`` says
+          why where it cannot read them.
         - ``"auto"`` (default): ``"ghost"`` or ``"materialize"``, whichever a cost
-          model finds cheaper for the call, or the ``statistics`` method for a
-          ``transform_fn`` or ``metrics_fn`` it can read (see ``transform_fn``);
+          model finds cheaper for the call, or ``"statistics"`` for a
+          ``transform_fn`` or ``metrics_fn`` it can read where the same cost model finds
+          it cheaper than forming the per-example gradients;
           ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.

@@ -59,6 +59,15 @@ class Method:
         """Wrap-time: raises a ValueError naming the fix where this method, asked for by
         name, cannot compute ``request``."""
         name, clipping = self.name, request.clipping
+        if name == "statistics":
+            if not (_accumulators.is_linear(request.accumulators) and not request.batched_grad):
+                raise ValueError(
+                    "micro_grad was given clip_method='statistics', which sums the "
+                    "transformed gradients from the layers' activations and cotangents, "
+                    f"but accumulator={request.accumulators!r} or a batched argnums needs "
+                    "each example's gradient; use SUM or MEAN, or clip_method='auto'."
+                )
+            return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
             raise ValueError(
                 f"micro_grad was given clip_method={name!r}, which scales each example's "
@@ -194,7 +203,7 @@ class GradRequest:
         """Whether a call may take the statistics method: linear accumulators, no
         batched argnums, and ``clip_method`` left to ``auto``."""
         linear = _accumulators.is_linear(self.accumulators)
-        return linear and not self.batched_grad and self.method == "auto"
+        return linear and not self.batched_grad and self.method in ("auto", "statistics")
 
     @property
     def gradient_metrics(self) -> bool:
@@ -321,6 +330,11 @@ def plan(
         return each(MATERIALIZE, "per-example", "the batch is empty")
     if not request.summed:
         return _per_example_plan(request, args, kwargs, layout, sharded, each)
+    if asked == "statistics":
+        found = _statistics_plan(request, args, kwargs, layout, sharded)
+        if isinstance(found, str):
+            raise ValueError(_NO_STATISTICS.format(reason=found))
+        return found
     scaled = request.clipping is not None or weighted
 
     proven: dict[bool, bool] = {}
@@ -380,6 +394,11 @@ def plan(
 
 
 _PER_EXAMPLE = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
+_NO_STATISTICS = (
+    "micro_grad was given clip_method='statistics', but it cannot compute this call "
+    "without the per-example gradients: {reason}. Pass clip_method='auto' to let "
+    "micro_grad pick an exact method."
+)
 
 
 def _per_example_plan(
@@ -398,6 +417,8 @@ def _per_example_plan(
         return each(MATERIALIZE, "per-example", why)
     found = _statistics_plan(request, args, kwargs, layout, sharded)
     if isinstance(found, str):
+        if request.method == "statistics":
+            raise ValueError(_NO_STATISTICS.format(reason=found))
         return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {found}")
     return found
 
@@ -439,6 +460,12 @@ def _statistics_plan(
     forms = ", ".join(f"{n} {form}" for form, n in counts.items())
     read = "transform_fn and metrics_fn" if reading.metric_outputs else "transform_fn"
     why = f"{read} read off the traced program, each output leaf from the sites: {forms}"
+    if request.transform is not _per_example.identity:
+        mine, theirs = _statistics.cost(reading, program), _statistics.materialize_cost(program)
+        costs = f"{mine:,} flops per example against {theirs:,} for per-example gradients"
+        if request.method == "auto" and theirs < mine:
+            return f"{_CHEAPER}: {costs}"
+        why = f"{_ASKED if request.method == 'statistics' else why}: {costs}"
     return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
 
 

@@ -435,6 +435,33 @@ def _form(path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any]) 
     )
 
 
+def materialize_cost(program: _ghost.Program) -> int:
+    """Per-example flops of the per-example path, in the units of ``cost``: every leaf's
+    per-example product, and forming, reading and summing its entries
+    (``_ghost.materialize_cost``)."""
+    products = sum(_ghost.product_flops(program, leaf) for leaf in range(program.n_params))
+    return products + _ghost.materialize_cost(program)
+
+
+def cost(reading: Reading, program: _ghost.Program) -> int:
+    """Per-example flops of the reading's forms beyond the forward and backward passes:
+    the book-keeping sum (the products of a gradient, for linear outputs), one product
+    per factorised output, and each leaf read directly: its own per-example gradient,
+    formed, read and summed."""
+    products = [_ghost.product_flops(program, leaf) for leaf in range(program.n_params)]
+    total = sum(products) if any(s.form == "linear" for s in reading.outputs) else 0
+    total += sum(
+        products[s.leaf] for s in reading.outputs if s.form == "factorised" and s.leaf is not None
+    )
+    direct = {s.leaf for s in reading.outputs if s.form == "direct" and s.leaf is not None}
+    entries = sum(math.prod(program.avals[leaf].shape) for leaf in direct)
+    return (
+        total
+        + sum(products[leaf] for leaf in direct)
+        + _ghost.MATERIALIZE_FLOPS_PER_ENTRY * entries
+    )
+
+
 # --- the computation, in the loop ------------------------------------------------------
 
 
