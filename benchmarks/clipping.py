@@ -1,11 +1,15 @@
 """Clipped per-example gradient sums: ghost norms against every other way of computing them.
 
 For four workloads (an MLP, a CNN, a transformer block and a Flax NNX language model with
-tied embeddings) and three microbatch sizes, the same DP-SGD sum
+tied embeddings) and three microbatch sizes, and a tied transformer LM at 64 and 256 tokens
+(issue 24's settings: batch 256 at microbatch 64, batch 64 at microbatch 16), the same
+DP-SGD sum
 ``sum_b g_b * min(1, 1 / ||g_b||)`` is computed by ``micro_grad`` with each
 ``clip_method``, by ``micro_grad`` with the clipping in ``transform_fn``, by optax 0.2.8's
-``micro_grad`` with that ``transform_fn``, and by ``jax.vmap(jax.grad(loss))`` over the
-whole batch, clipped and summed. Each table gives the compiled temp memory, the median time
+``micro_grad`` with that ``transform_fn``, by the hand-written ``vmap(grad)`` loop, by
+jax-privacy's ``clipped_grad`` (where installed) and by ``jax.vmap(jax.grad(loss))`` over
+the whole batch, clipped and summed. Each table gives the compiled temp memory and flops
+(XLA's count, a loop body once), the median time
 of a call and its ratio to ``micro_grad`` without clipping (``plain``), from interleaved
 repetitions in one process (medians of per-repetition ratios, with quartiles), as in
 ``accumulation.py``. A way whose first call (the warm-up) takes over ``LIMIT_S`` seconds is
@@ -44,6 +48,16 @@ RESULTS = Path(__file__).resolve().parent / "CLIPPING.md"
 LIMIT_S = 3.0  # a way whose first call takes longer is not timed
 PLAIN, VMAP = "plain", "`vmap(grad)`"
 AUTO = "`l2_clip_norm`"
+LOOP = "hand-written loop"
+
+try:  # optional, not in the bench extra: its dependency pydantic breaks `make docs`
+    # (mkdocstrings' configuration); `.venv/bin/pip install jax-privacy==2.0.0` to time it
+    import jax_privacy
+
+    JAX_PRIVACY: str | None = f"jax-privacy {jax_privacy.__version__} `clipped_grad`"
+except ImportError:  # pragma: no cover
+    jax_privacy = None
+    JAX_PRIVACY = None
 
 try:  # benchmark-only dependency
     import optax
@@ -198,6 +212,45 @@ def block_workload(examples: int, tokens: int = 32) -> Workload:
     return Workload(name, block_loss, params, (ids, targets))
 
 
+# --- 3b. Tied transformer LM (issue 24) ----------------------------------------------
+
+LM_WIDTH, LM_HIDDEN = 128, 512
+
+
+def tied_lm_loss(params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
+    """One pre-LN causal block whose output projection is the embedding table (tied),
+    per-token cross-entropy averaged over each example's tokens, then over the batch."""
+    h = params["embed"][tokens] + params["positions"]
+    h = h + attention(params["attention"], layer_norm(params["ln1"], h))
+    up = jax.nn.gelu(dense(params["up"], layer_norm(params["ln2"], h)))
+    h = h + dense(params["down"], up)
+    logits = layer_norm(params["ln3"], h) @ params["embed"].T
+    return jnp.mean(jnp.mean(cross_entropy(logits, targets), axis=-1))
+
+
+def tied_lm_workload(examples: int, tokens: int = 64) -> Workload:
+    k = iter(jax.random.split(jax.random.key(7), 12))
+    linear, norm = initializers(k, LM_WIDTH)
+    params = {
+        "embed": jax.random.normal(next(k), (VOCAB, LM_WIDTH)) * 0.02,
+        "positions": jax.random.normal(next(k), (tokens, LM_WIDTH)) * 0.02,
+        "ln1": norm(),
+        "attention": {n: linear(LM_WIDTH, LM_WIDTH) for n in "qkvo"},
+        "ln2": norm(),
+        "up": linear(LM_WIDTH, LM_HIDDEN),
+        "down": linear(LM_HIDDEN, LM_WIDTH),
+        "ln3": norm(),
+    }
+    ids = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    targets = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
+    name = (
+        f"Tied transformer LM: {tokens} tokens over vocab {VOCAB}, width {LM_WIDTH}, "
+        f"{HEADS} heads, MLP {LM_HIDDEN}, pre-LN, causal, TIED output projection, per-token "
+        "cross-entropy averaged per example"
+    )
+    return Workload(name, tied_lm_loss, params, (ids, targets))
+
+
 # --- 4. Flax NNX language model, tied embeddings, token mask --------------------------
 
 
@@ -281,6 +334,25 @@ def vmap_grad(w: Workload) -> Fn:
     return summed
 
 
+def hand_written(w: Workload, size: int) -> Fn:
+    """The loop a user would write: ``vmap(grad)`` over contiguous slices of ``size``
+    rows in a ``fori_loop``, each gradient clipped, summed into the carry."""
+
+    def one(params: Any, *example: jax.Array) -> Any:
+        return clip(jax.grad(w.loss)(params, *(e[None] for e in example)))
+
+    def summed(params: Any, *batch: jax.Array) -> Any:
+        def body(i: Any, total: Any) -> Any:
+            rows = [jax.lax.dynamic_slice_in_dim(b, i * size, size) for b in batch]
+            grads = jax.vmap(one, in_axes=(None, *[0] * len(rows)))(params, *rows)
+            return jax.tree.map(lambda t, g: t + jnp.sum(g, axis=0), total, grads)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return jax.lax.fori_loop(0, batch[0].shape[0] // size, body, zeros)
+
+    return summed
+
+
 def ways(w: Workload, size: int) -> dict[str, Fn]:
     """Every way of the clipped sum at microbatch ``size``, and ``plain`` first."""
     options: dict[str, Any] = {"batch_argnums": w.batch_argnums, "microbatch_size": size}
@@ -293,6 +365,11 @@ def ways(w: Workload, size: int) -> dict[str, Fn]:
             mb.micro_grad(w.loss, l2_clip_norm=1.0, clip_method=method, **options)
         )
     out["`transform_fn=clip`"] = grads_only(mb.micro_grad(w.loss, transform_fn=clip, **options))
+    out[LOOP] = hand_written(w, size)
+    if jax_privacy is not None and JAX_PRIVACY is not None:
+        out[JAX_PRIVACY] = jax_privacy.clipped_grad(
+            w.loss, l2_clip_norm=1.0, batch_argnums=w.batch_argnums, microbatch_size=size
+        )
     if optax_mb is not None and OPTAX is not None:
         out[OPTAX] = grads_only(optax_mb.micro_grad(w.loss, transform_fn=clip, **options))
     return out
@@ -309,6 +386,7 @@ class Warm:
     temp_mib: float
     first_s: float
     output: Any
+    gflops: float = float("nan")  # XLA's count; a loop body counts once
 
 
 def warm_up(fn: Fn, args: Sequence[Any]) -> Warm:
@@ -316,9 +394,12 @@ def warm_up(fn: Fn, args: Sequence[Any]) -> Warm:
     compiled = jax.jit(fn).lower(*args).compile()
     analysis = compiled.memory_analysis()
     temp = float("nan") if analysis is None else analysis.temp_size_in_bytes / 2**20
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    gflops = float("nan") if not cost else cost.get("flops", float("nan")) / 1e9
     start = time.perf_counter()
     output = jax.block_until_ready(compiled(*args))
-    return Warm(compiled, temp, time.perf_counter() - start, output)
+    return Warm(compiled, temp, time.perf_counter() - start, output, gflops)
 
 
 def interleaved(compiled: dict[str, Any], args: Sequence[Any], reps: int) -> dict[str, list[float]]:
@@ -385,7 +466,7 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
                 cells = f"{ms(seconds[name])} | {ratio(seconds[name], seconds[PLAIN])}"
             else:
                 cells = f"skipped: over {LIMIT_S:.0f} s per call ({x.first_s:.1f} s) | "
-            rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {cells} |")
+            rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {x.gflops:.2f} | {cells} |")
     worst, where = max(errors)
     optax_note = "" if OPTAX else " optax is not importable: its row is left out."
     return "\n".join(
@@ -394,8 +475,8 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
             f"`clipping_report` of `l2_clip_norm=1.0`: method `{clipping.method}` "
             f"({clipping.reason}), coverage of parameters: {coverage}.{optax_note}",
             "",
-            "| microbatch | way | temp MiB | median ms | time / plain [quartiles] |",
-            "|---:|---|---:|---:|---:|",
+            "| microbatch | way | temp MiB | GFLOP (XLA) | median ms | time / plain [quartiles] |",
+            "|---:|---|---:|---:|---:|---:|",
             *rows,
             "",
             f"Largest relative difference of a clipped sum from `vmap(grad)`: {worst:.1e} "
@@ -415,7 +496,11 @@ def preamble(quick: bool) -> str:
         "table); `ghost`, `two_pass`, `chunked` and `materialize` force that "
         "`clip_method`; `transform_fn=clip` and optax clip in `transform_fn`; "
         "`vmap(grad)` is `jax.vmap(jax.grad(loss))` over the whole batch, clipped and "
-        "summed (it does not depend on the microbatch; it is timed with the last one). "
+        "summed (it does not depend on the microbatch; it is timed with the last one); the "
+        "hand-written loop is `vmap(grad)`, clipped and summed, over contiguous slices in a "
+        "`fori_loop`; jax-privacy's `clipped_grad` runs where it is installed (a bench extra). "
+        "GFLOP is XLA's cost analysis of the compiled program, which counts a loop body "
+        "once: a structural measure, where the times are indicative on shared cores. "
         f"A way whose first call takes over {LIMIT_S:.0f} s is not timed."
         + (" Quick run: batch 256." if quick else "")
     )
@@ -438,6 +523,10 @@ def main(argv: Sequence[str]) -> None:
             return workload_table(w, sizes, count)
 
         out.append(lm)
+        for tokens, batch, size in ((64, 256, 64), (256, 64, 16)):  # issue 24's settings
+            out.append(
+                lambda t=tokens, b=batch, m=size: workload_table(tied_lm_workload(b, t), [m], count)
+            )
         return out
 
     report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts)

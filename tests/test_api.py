@@ -19,6 +19,7 @@ SPEC_NAMES = {
 def test_all_is_the_public_surface():
     assert set(microbatching.__all__) == SPEC_NAMES | {
         "Aux",
+        "BatchStatisticsWarning",
         "Plan",
         "PlanRow",
         "plan",

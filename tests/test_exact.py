@@ -225,6 +225,54 @@ def test_norms_of_huge_and_tiny_gradients_match_float64():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(want, initial=0.0))
 
 
+ROW_SCALES = {
+    "ordinary": [1.0] * 8,  # every sum of squares safe: taken as it is
+    "one huge row": [1.0] * 7 + [1e25],  # the branch that scales every row
+    "one tiny row": [1e-25] + [1.0] * 7,
+    "a zero row": [0.0] + [1.0] * 7,
+    # Entries stay normal: XLA:CPU reads subnormal numbers as 0.
+    "the ends of float32": [3e38, 1e-35, 2.0**-120, 0.0, 1.0, 1e19, 1e-19, 1e-36],
+}
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["branch", "mapped"])
+@pytest.mark.parametrize("case", ROW_SCALES)
+def test_row_norms_are_exact_on_either_side_of_their_branch(case, mapped):
+    """``row_norms`` takes the plain sums of squares where every one of them is safe, and
+    scales every row by a power of two otherwise; ``mapped_row_norms`` always scales.
+    Either way each row's norm is its float64 norm, up to rounding."""
+    from microbatching import _clipping
+
+    scales = np.asarray(ROW_SCALES[case], np.float64)[:, None]
+    rows = np.asarray(X, np.float64) * scales
+    grads = {"a": jnp.asarray(rows, jnp.float32), "b": jnp.asarray(rows[:, :2], jnp.float32)}
+    norms = _clipping.mapped_row_norms if mapped else _clipping.row_norms
+    got = np.asarray(jax.jit(lambda g: norms(g, 8))(grads), np.float64)
+    wide = np.concatenate(
+        [np.asarray(grads["a"], np.float64), np.asarray(grads["b"], np.float64)], axis=1
+    )
+    want = np.linalg.norm(wide, axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0.0)  # relative to each row
+    leaves = np.asarray(jax.jit(lambda g: _clipping.leaf_norms(g, 8))(grads), np.float64)
+    each = [np.linalg.norm(np.asarray(grads[k], np.float64), axis=1) for k in "ab"]
+    np.testing.assert_allclose(leaves, np.stack(each, 1), rtol=1e-6, atol=0.0)
+
+
+def test_the_plain_sums_of_squares_are_taken_only_where_they_are_safe():
+    """The branch reads the sums of squares: safe ones (neither overflowed nor lost to
+    underflow) pass it, the others and a zero row (which an underflowed row cannot be
+    told from) take the scaled form."""
+    from microbatching import _clipping
+
+    info = jnp.finfo(jnp.float32)
+    low, high = _clipping.SAFE_LOW * float(info.tiny), float(info.max) / _clipping.SAFE_HIGH
+    assert 2.0**-60 <= low <= 2.0**-59 and 2.0**125 <= high <= 2.0**126
+    text = str(jax.make_jaxpr(lambda g: _clipping.row_norms(g, 4))(jnp.ones((4, 3))))
+    assert "cond" in text
+    mapped = str(jax.make_jaxpr(lambda g: _clipping.mapped_row_norms(g, 4))(jnp.ones((4, 3))))
+    assert "cond" not in mapped
+
+
 def test_float16_mean_of_large_gradients_does_not_overflow():
     f16 = jnp.float16
     grads, _ = micro_grad(lambda w, x: jnp.sum(x @ w), accumulator=MEAN)(

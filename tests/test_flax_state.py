@@ -6,6 +6,7 @@ microbatch in a Python loop (microbatch ``k`` of ``n`` is rows ``k::n``), a batc
 per example, or clipped ``jax.vmap(jax.grad)`` gradients.
 """
 
+import re
 from typing import Any
 
 import jax
@@ -13,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from microbatching import AccumulationType, clipping_report, micro_grad, microbatch
+from microbatching import (
+    AccumulationType,
+    BatchStatisticsWarning,
+    clipping_report,
+    micro_grad,
+    microbatch,
+)
 
 from .strategies import assert_close
 
@@ -126,11 +133,12 @@ def test_batch_norm_with_a_remainder_normalises_the_last_rows_apart():
 def test_micro_grad_normalises_each_example_alone(l2_clip_norm):
     """Each example is a batch of one: BatchNorm's output is its bias, every leaf up to
     it gets a gradient of exactly 0, and each running variance decays by the momentum.
-    No error, no warning (the suite turns warnings into errors)."""
+    micro_grad says so at trace time, naming the fix."""
     grad_fn = micro_grad(
         loss, has_aux=True, batch_argnums=(2, 3), microbatch_size=4, l2_clip_norm=l2_clip_norm
     )
-    grads, aux = jax.jit(grad_fn)(PARAMS, STATS, X, Y)
+    with pytest.warns(BatchStatisticsWarning, match=re.escape(MIXES_ROWS.format("sub"))):
+        grads, aux = jax.jit(grad_fn)(PARAMS, STATS, X, Y)
     zero = jax.tree.map(lambda g: bool(jnp.all(g == 0)), grads)
     assert zero == {
         "BatchNorm_0": {"bias": True, "scale": True},
@@ -165,14 +173,91 @@ def test_micro_grad_of_an_image_batch_norm_is_the_sum_of_batch_of_one_gradients(
         return jnp.mean((pred - y) ** 2), updated["batch_stats"]
 
     args = (variables["params"], variables["batch_stats"])
-    grads, _ = jax.jit(micro_grad(image_loss, True, batch_argnums=(2, 3), microbatch_size=4))(
-        *args, x, y
-    )
+    grad_fn = micro_grad(image_loss, True, batch_argnums=(2, 3), microbatch_size=4)
+    with pytest.warns(BatchStatisticsWarning, match="statistic over the batch axis"):
+        grads, _ = jax.jit(grad_fn)(*args, x, y)
     each = [
         jax.grad(image_loss, has_aux=True)(*args, x[b : b + 1], y[b : b + 1])[0] for b in range(8)
     ]
     assert_close(grads, jax.tree.map(lambda *g: sum(g), *each), terms=8)
     assert float(jnp.max(jnp.abs(grads["Conv_0"]["kernel"]))) > 1e-3
+
+
+MIXES_ROWS = (
+    "micro_grad was given keep_batch_dim=True and a loss that computes a statistic over "
+    "the batch axis and applies it back to the rows (at `{}`): a BatchNorm layer, a "
+    "softmax over the examples, a rescaling of each row by a batch total. micro_grad "
+    "computes each example's gradient from that example alone, a batch of one row, so the "
+    "statistic is the example's own and the result differs from the whole batch's (a "
+    "BatchNorm over dense features outputs its bias whatever the input). For per-example "
+    "gradients and DP-SGD normalise each example on its own (GroupNorm, LayerNorm) or "
+    "compute the statistic outside the loss; for gradient accumulation over the batch's "
+    "statistics per microbatch, take jax.grad of microbatch(loss) instead."
+)
+
+
+def _squares(p, x, y):
+    return (jnp.tanh(x @ p) - y) ** 2
+
+
+ROWS_MIXED = {
+    "centred over the batch": lambda p, x, y: jnp.mean(
+        _squares(p, x - x.mean(0, keepdims=True), y)
+    ),
+    "softmax over the examples": lambda p, x, y: -jnp.mean(jax.nn.log_softmax((x @ p)[:, 0])),
+    "rows rescaled by a batch total": lambda p, x, y: jnp.sum(_squares(p, x, y) / jnp.sum(y**2)),
+    "centred through a jit": lambda p, x, y: jnp.mean(
+        _squares(p, jax.jit(lambda v: v - jnp.max(v, 0, keepdims=True))(x), y)
+    ),
+}
+ROWS_APART = {
+    "mean of the rows' losses": lambda p, x, y: jnp.mean(_squares(p, x, y)),
+    "sum over the batch divided by a batch total": lambda p, x, y: (
+        jnp.sum(_squares(p, x, y)) / jnp.sum(jnp.abs(y))
+    ),
+    "each row normalised over its features": lambda p, x, y: jnp.mean(
+        _squares(p, x / jnp.linalg.norm(x, axis=-1, keepdims=True), y)
+    ),
+    "a matmul over the features": lambda p, x, y: jnp.mean((x @ p @ p.T - x) ** 2),
+}
+MIX_ARGS = (
+    jnp.linspace(-1.0, 1.0, 12).reshape(4, 3),
+    jnp.asarray(np.random.default_rng(5).normal(size=(8, 4)), jnp.float32),
+    jnp.arange(24.0).reshape(8, 3) / 24,
+)
+
+
+@pytest.mark.parametrize("name", ROWS_MIXED)
+def test_a_loss_that_applies_a_batch_statistic_to_its_rows_warns(name):
+    """Each of these makes an example's loss depend on the other rows of its batch: with
+    keep_batch_dim=True, micro_grad warns at trace time, and still computes each example
+    alone, as without the warning: the gradients of a loop over batches of one."""
+    fun = ROWS_MIXED[name]
+    grad_fn = micro_grad(fun, batch_argnums=(1, 2), microbatch_size=4)
+    with pytest.warns(BatchStatisticsWarning, match=r"a loss that computes a statistic over"):
+        got, _ = grad_fn(*MIX_ARGS)
+    p, x, y = MIX_ARGS
+    want = sum(jax.grad(fun)(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
+    assert_close(got, want, terms=8)
+
+
+@pytest.mark.parametrize("name", ROWS_APART)
+def test_a_loss_whose_rows_stay_apart_does_not_warn(name):
+    """Reductions over the rows that only make the loss, and reductions over the
+    features: no warning (the suite turns warnings into errors)."""
+    grad_fn = micro_grad(ROWS_APART[name], batch_argnums=(1, 2), microbatch_size=4)
+    got, _ = grad_fn(*MIX_ARGS)
+    assert jnp.all(jnp.isfinite(got))
+
+
+def test_without_keep_batch_dim_the_loss_is_not_probed():
+    """With keep_batch_dim=False the loss sees one example without a batch axis: there
+    are no rows to mix, and a reduction over axis 0 is one over the features."""
+    fun = lambda p, x, y: jnp.mean(_squares(p, x - x.mean(0), y))  # noqa: E731
+    grad_fn = micro_grad(fun, batch_argnums=(1, 2), microbatch_size=4, keep_batch_dim=False)
+    got, _ = grad_fn(*MIX_ARGS)
+    p, x, y = MIX_ARGS
+    assert_close(got, sum(jax.grad(fun)(p, x[b], y[b]) for b in range(8)), terms=8)
 
 
 @pytest.mark.parametrize("clip_method", ["auto", "materialize"])

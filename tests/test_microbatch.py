@@ -55,7 +55,7 @@ def test_every_accumulator_matches_the_whole_batch(data, case):
     assert_close(got, want, terms=x.shape[axis] // size)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(data=st.data(), case=batches(min_rows=1))
 def test_a_pytree_of_accumulators_applies_per_subtree(data, case):
     x, axis = case

@@ -376,3 +376,81 @@ def test_long_rows_of_one_dominant_entry_keep_their_norm():
     got, form, want = _dense_norms(x, v)
     assert form == "gram"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+def _shared_loss(p, x, v):
+    """Two dense sites reading the same input (as ``q`` and ``k`` do)."""
+    return jnp.sum((x @ p["a"]) * v) + jnp.sum((x @ p["b"]) * (0.5 * v[..., ::-1]))
+
+
+def _shared_norms(x: np.ndarray, v: np.ndarray) -> tuple[Any, Any]:
+    """``micro_grad``'s norms of ``_shared_loss`` per example, and the float64 norms."""
+    k, n = x.shape[-1], v.shape[-1]
+    p = {"a": jnp.zeros((k, n), jnp.float32), "b": jnp.zeros((k, n), jnp.float32)}
+    fn = micro_grad(
+        _shared_loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        microbatch_size=2,
+        metrics_fn=microbatching.l2_norm,
+        l2_clip_norm=CLIP,
+        clip_method="ghost",
+    )
+    forms = [leaf.form for leaf in microbatching.clipping_report(fn, p, x, v).leaves]
+    assert forms == ["gram", "gram"]
+    _, aux = jax.jit(fn)(p, jnp.asarray(x), jnp.asarray(v))
+    x64, v64 = x.astype(np.float64), v.astype(np.float64)
+    a = np.einsum("btk,btn->bkn", x64, v64)
+    b = np.einsum("btk,btn->bkn", x64, 0.5 * v64[..., ::-1])
+    want = np.sqrt(np.sum(a**2, axis=(1, 2)) + np.sum(b**2, axis=(1, 2)))
+    return np.asarray(aux.metrics, np.float64), want
+
+
+def test_sites_that_read_one_input_share_its_gram_matrix():
+    """``q``, ``k`` and ``v`` of one input share its Gram matrix; sites that read
+    different values, or take the product form, do not."""
+
+    def groups(loss, tokens, k=4):
+        params = [jnp.zeros((k, 4))] * 2
+        example = [jnp.zeros((tokens, k)), jnp.zeros((tokens, 4))]
+        fun = lambda ps, ex: [loss({"a": ps[0], "b": ps[1]}, *ex)]  # noqa: E731
+        program = _ghost.analyse(fun, params, example)
+        assert program is not None
+        return _ghost.shared_inputs(program)
+
+    assert groups(_shared_loss, 2) == [[0, 1]]
+
+    def twice(p, x, v):  # a reaches two sites: direct
+        return _shared_loss(p, x, v) + jnp.sum(((2 * x) @ p["a"]) * v)
+
+    def apart(p, x, v):
+        return jnp.sum((x @ p["a"]) * v) + jnp.sum(((2 * x) @ p["b"]) * v)
+
+    assert groups(twice, 2) == []
+    assert groups(apart, 2) == []
+    assert groups(_shared_loss, 64, k=4) == []  # T^2 (k + n) > T k n: the product form
+
+
+def test_a_shared_gram_matrix_keeps_cancelling_norms():
+    """The cancellation suite's rows through two sites that share their input's Gram
+    matrix: every norm within the tolerance, the unreliable ones recomputed per site."""
+    v = cotangents(jnp.float32)
+    x = np.broadcast_to(A_ROW, (*v.shape[:2], WIDTH)).astype(np.float32)
+    got, want = _shared_norms(x, v.astype(np.float32))
+    rows = 1.5 * np.linalg.norm(v, axis=-1).sum(axis=1)
+    assert_norms_close(got, want, rows)
+
+
+@pytest.mark.parametrize("small", [2.0**-20, 1e-25], ids=["shared", "each its own"])
+def test_a_row_far_below_the_largest_input_keeps_its_norm(small: float):
+    """One token's input ``small`` times the others', with a cotangent as many times
+    larger: its share of the gradient is ordinary. At ``2**-20`` the shared Gram matrix
+    holds it; at ``1e-25`` its square would underflow there (``SHARED_FLOOR``), and
+    each site takes its own Gram matrix of balanced rows."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(4, 4, 8)).astype(np.float32)
+    v = rng.normal(size=(4, 4, 8)).astype(np.float32)
+    x[:, 0] *= small
+    v[:, 0] /= small
+    got, want = _shared_norms(x, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)

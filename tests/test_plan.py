@@ -265,7 +265,7 @@ def test_a_prime_batch_size_has_two_candidates_and_the_plan_says_why():
     assert str(result).splitlines()[-1] == PRIME_NOTE
     with pytest.raises(
         ValueError,
-        match=r"No candidate microbatch size fits memory_budget=1 \(1 B\): the arguments alone take 156 bytes",
+        match=r"No candidate microbatch size fits memory_budget=1 \(1 B\): the arguments alone take 156 bytes per device",
     ) as info:
         plan(_sum_of, x, memory_budget=1)
     assert str(info.value).endswith("\n" + PRIME_NOTE)
@@ -378,7 +378,7 @@ def test_nothing_fits_when_the_arguments_alone_exceed_the_budget():
     budget = ARGUMENT_BYTES - 1
     with pytest.raises(
         ValueError,
-        match=rf"No candidate microbatch size fits memory_budget={budget} \({_plan._bytes(budget)}\): the arguments alone take {ARGUMENT_BYTES} bytes \(.*\) per device whatever the microbatch size, as microbatching shrinks only the scratch memory \(temp\)\. Raise memory_budget, or shard the arguments over more devices\.\nPlan for batch_size=64",
+        match=rf"No candidate microbatch size fits memory_budget={budget} \({_plan._bytes(budget)}\): the arguments alone take {re.escape(_plan._amount(ARGUMENT_BYTES))} per device whatever the microbatch size, as microbatching shrinks only the scratch memory \(temp\)\. Raise memory_budget, or shard the arguments over more devices\.\nPlan for batch_size=64",
     ) as info:
         _plan_mlp(candidates=[4, 16, None], memory_budget=budget)
     assert "nothing fits." in str(info.value)

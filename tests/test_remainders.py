@@ -37,7 +37,7 @@ def _microbatch_fun(kind):
     return lambda x, scale: {"y": reduce(rows(x) * scale), "s": reduce(jnp.sum(x, -1) * scale)}
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     size=st.integers(1, 23),
     microbatch_size=st.integers(1, 9),
@@ -52,7 +52,7 @@ def test_microbatch_with_a_remainder_equals_the_whole_batch(size, microbatch_siz
     assert_close(got, jax.jit(fun)(x, 2.0), terms=terms(size, microbatch_size))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(size=st.integers(1, 17), microbatch_size=st.integers(1, 6), kind=st.sampled_from(REDUCING))
 def test_microbatch_with_a_remainder_on_a_later_axis(size, microbatch_size, kind):
     x = random_array(size, (3, size), F32)
@@ -61,7 +61,7 @@ def test_microbatch_with_a_remainder_on_a_later_axis(size, microbatch_size, kind
     assert_close(got, jax.jit(fun)(W, x), terms=terms(size, microbatch_size))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     size=st.integers(0, 23),
     microbatch_size=st.integers(1, 9),
@@ -89,7 +89,7 @@ def test_micro_vmap_with_a_remainder_and_weights_equals_jax_vmap(
     assert_close(got, reference(x, weights), terms=terms(size, microbatch_size))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     size=st.integers(1, 17),
     microbatch_size=st.integers(1, 6),

@@ -3,6 +3,7 @@ larger than device memory, one microbatch at a time, inside one compiled program
 
 from ._accumulators import AccumulationType as AccumulationType
 from ._accumulators import Accumulator as Accumulator
+from ._batch_statistics import BatchStatisticsWarning as BatchStatisticsWarning
 from ._grad import Aux as Aux
 from ._grad import micro_grad as micro_grad
 from ._inspect import ClippingReport as ClippingReport
@@ -22,6 +23,7 @@ __all__ = [
     "AccumulationType",
     "Accumulator",
     "Aux",
+    "BatchStatisticsWarning",
     "ClippingReport",
     "LeafRule",
     "Plan",

@@ -2,12 +2,19 @@
 
 ``sum(g**2)`` overflows in float32 once ``|g|`` passes about 1e19 (and in float16 at
 256), and underflows to 0 below about 1e-19: a huge gradient would get norm ``inf`` and
-clip to 0, a tiny one norm 0. Each norm here is taken of the gradient divided by its
-largest magnitude, then multiplied back: ``m * sqrt(sum((g / m)**2))`` with
-``m = max |g|``. Every term of the sum is then at most 1, and the largest is exactly 1,
-so the sum neither overflows nor vanishes. The scaling is computed in at least float32.
-A norm beyond the dtype's largest number (3.4e38 in float32) is ``inf``, and clips the
-gradient to 0.
+clip to 0, a tiny one norm 0. The sums of squares are first taken as they are, in one
+read of the gradients. Where every one of a leaf's lies in ``[SAFE_LOW * tiny, max /
+SAFE_HIGH]`` of its dtype, no square or partial sum overflowed, and the squares lost to
+underflow (each below the dtype's smallest normal ``tiny``) add at most ``2**-66`` of
+the sum per entry: the norms are their square roots. Otherwise (a branch inside the
+compiled program, taken by all the rows of a leaf at once; always under ``vmap``, where
+a branch would run both sides; and for a row whose gradient is 0, which cannot be told
+from one that underflowed) each row is scaled by the power of two ``2**-e`` that brings
+its largest magnitude into ``[1/2, 1)``, once per row and exactly (no division per
+entry), and its norm is ``2**e`` times that of the scaled row: every term of the sum is
+then below 64, and the largest at least 1/4, so the sum neither overflows nor vanishes.
+The scaling is computed in at least float32. A norm beyond the dtype's largest number
+(3.4e38 in float32) is ``inf``, and clips the gradient to 0.
 """
 
 from __future__ import annotations
@@ -22,28 +29,94 @@ from ._typing import PyTree
 
 
 def row_norms(grads: PyTree, rows: int) -> jax.Array:
-    """The L2 norm of each row of gradients stacked on axis 0, over all leaves."""
+    """The L2 norm of each row of gradients stacked on axis 0, over all leaves: the
+    plain sums of squares where all of them are safe, else every row scaled (a branch)."""
+    return _norms([jax.tree.leaves(grads)], rows, branch=True)[:, 0]
+
+
+def mapped_row_norms(grads: PyTree, rows: int) -> jax.Array:
+    """``row_norms`` without the branch, every row scaled: for a caller under ``vmap``,
+    where a ``lax.cond`` on batched values runs both of its sides."""
+    return _norms([jax.tree.leaves(grads)], rows, branch=False)[:, 0]
+
+
+def _norms(groups: list[list[Any]], rows: int, branch: bool) -> jax.Array:
+    """``(rows, groups)``: each row's norm over each group of leaves (axis 0: the rows),
+    each group taking the branch of its own sums of squares."""
     if not rows:
-        return jnp.zeros((0,))
-    # The magnitudes feed the largest entry; the squares read the values again, so that
-    # XLA fuses both reductions into reads of the gradient and keeps no copy of it.
-    values = [_wide(g) for g in jax.tree.leaves(grads)]
+        return jnp.zeros((0, len(groups)))
+    values = [[_wide(g) for g in group] for group in groups]
+    dtype = jnp.result_type(jnp.float32, *(v for group in values for v in group))
+    norms = [_norm_of(group, rows, dtype, branch) for group in values]
+    return jnp.stack(norms, axis=1) if norms else jnp.zeros((rows, 0), dtype)
+
+
+def _norm_of(values: list[jax.Array], rows: int, dtype: Any, branch: bool) -> jax.Array:
+    if not branch or not values:
+        return _scaled_norms(values, rows, dtype)
+    squares = sum(
+        (jnp.sum(jnp.square(v), axis=_rest(v)) for v in values), jnp.zeros((rows,), dtype)
+    )
+    info = jnp.finfo(dtype)
+    plain = jnp.all((squares >= SAFE_LOW * info.tiny) & (squares <= info.max / SAFE_HIGH))
+    return jax.lax.cond(
+        plain, lambda: jnp.sqrt(squares), lambda: _scaled_norms(values, rows, dtype)
+    )
+
+
+SAFE_LOW = 2.0**66
+"""How many times the dtype's smallest normal number a sum of squares must be, at least,
+to be taken as it is: each square lost to underflow is below that smallest number, so
+that each costs at most ``2**-66`` of the sum."""
+
+SAFE_HIGH = 4.0
+"""How many times below the dtype's largest number a sum of squares must be, at least,
+to be taken as it is: its terms and partial sums are no larger, so none overflowed."""
+
+
+def _scaled_norms(values: list[jax.Array], rows: int, dtype: Any) -> jax.Array:
+    """Each row's norm over ``values`` (at least float32), each row scaled by a power of
+    two that brings its largest magnitude into ``[1/2, 1)``: one multiplication per
+    entry, exact (a power of two), and the scale applied once per row."""
     if not values:
-        return jnp.zeros((rows,))
+        return jnp.zeros((rows,), dtype)
     largest = jnp.max(
         jnp.stack([jnp.max(jnp.abs(v), axis=_rest(v), initial=0.0) for v in values]), axis=0
-    )
-    safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)
-    # Divided twice by the square root: XLA may divide by multiplying with the reciprocal,
-    # and 1 / m is subnormal (flushed to 0) for m above 2**126; 1 / sqrt(m) never is. The
-    # barrier keeps XLA from rewriting the scaled squares back into overflowing ones,
-    # which it does where the gradient is a known constant.
-    root = jax.lax.optimization_barrier(jnp.sqrt(safe))
-    squares = sum(
-        jnp.sum(jnp.square(v / _at_rows(root, v) / _at_rows(root, v)), axis=_rest(v))
-        for v in values
-    )
-    return jnp.where(jnp.isfinite(largest), safe * jnp.sqrt(squares), largest)
+    ).astype(dtype)
+    usable = (largest > 0) & jnp.isfinite(largest)
+    e = exponent(jnp.where(usable, largest, 1))
+    # One power, normal both ways: 2**-e is subnormal (flushed to 0 on the CPU) for e
+    # above 126. Clipped, the largest scaled magnitude is in [1/2, 8), or above 2**-24
+    # where it is subnormal: its square neither overflows nor vanishes. The barrier keeps XLA
+    # from folding the scale out of the squares, where they would overflow again.
+    k = jax.lax.optimization_barrier(jnp.clip(e, -125, 125))
+    down = times_power(jnp.ones((rows,), dtype), -k)
+    squares = sum(jnp.sum(jnp.square(v * _at_rows(down, v)), axis=_rest(v)) for v in values)
+    norms = times_power(jnp.sqrt(squares), k)
+    return jnp.where(usable, norms, largest)
+
+
+def exponent(m: jax.Array) -> jax.Array:
+    """The integer ``e`` with ``2**(e - 1) <= m < 2**e``, for ``m`` positive and finite
+    (``m`` subnormal counts as ``2**-126``, float32's smallest normal)."""
+    info = jnp.finfo(m.dtype)
+    ints = jnp.int32 if info.bits == 32 else jnp.int64
+    field = jax.lax.bitcast_convert_type(m, ints) >> info.nmant
+    return jnp.maximum(field, 1) - (info.maxexp - 1) + 1
+
+
+def times_power(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``x * 2**k``, exactly (unless the result overflows or is subnormal): applied in three
+    parts, so that no power is subnormal (flushed to 0 on the CPU) or infinite."""
+    info = jnp.finfo(x.dtype)
+
+    def power(j: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type((j + info.maxexp - 1) << info.nmant, x.dtype)
+
+    k = jnp.clip(k, -378, 378)  # three powers of at most 2**126: beyond, it under- or
+    third = k // 3  # overflows anyway
+    half = (k - third) // 2
+    return x * power(third) * power(half) * power(k - third - half)
 
 
 def _rest(x: jax.Array) -> tuple[int, ...]:
@@ -56,8 +129,9 @@ def _at_rows(values: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def norm(grads: PyTree) -> jax.Array:
-    """The L2 norm of one gradient, over all its leaves."""
-    return row_norms(jax.tree.map(lambda g: jnp.asarray(g)[None], grads), 1)[0]
+    """The L2 norm of one gradient, over all its leaves (no branch: it is mapped over
+    examples)."""
+    return mapped_row_norms(jax.tree.map(lambda g: jnp.asarray(g)[None], grads), 1)[0]
 
 
 def factor(norms: jax.Array, bound: Any) -> jax.Array:
@@ -78,7 +152,7 @@ def leaf_norms(grads: PyTree, rows: int) -> jax.Array:
     leaves = jax.tree.leaves(grads)
     if not leaves:
         return jnp.zeros((rows, 0), jnp.float32)
-    return jnp.stack([row_norms(g, rows) for g in leaves], axis=1)
+    return _norms([[g] for g in leaves], rows, branch=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +217,8 @@ class Clipping:
     def clip(self, grads: PyTree) -> PyTree:
         """One example's gradient, clipped."""
         leaves, structure = jax.tree.flatten(grads)
-        norms = leaf_norms([jnp.asarray(g)[None] for g in leaves], 1)
+        norms = _norms([[jnp.asarray(g)[None]] for g in leaves], 1, branch=False)
+        norms = norms if leaves else jnp.zeros((1, 0), jnp.float32)
         scales = self.per_leaf(norms, grads)
         clipped = [
             jnp.where(s[0] != 0, g * s[0].astype(g.dtype), jnp.zeros((), g.dtype))

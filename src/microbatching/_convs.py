@@ -46,14 +46,16 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
+from . import _workarounds
+
 _CONV = jax.lax.conv_general_dilated_p
 _TRANSPOSE = jax.lax.transpose_p
 
 
 def canonical(program: ClosedJaxpr) -> ClosedJaxpr:
     """``program`` with its convolutions, at any depth, in Eigen's order and with
-    derivatives in Eigen's order (on the CPU)."""
-    if jax.default_backend() != "cpu" or not _has_work(program.jaxpr):
+    derivatives in Eigen's order, where ``_workarounds.CONV_ORDER`` applies (XLA:CPU)."""
+    if not _workarounds.CONV_ORDER.applies() or not _has_work(program.jaxpr):
         return program
     return ClosedJaxpr(_rewrite(program.jaxpr), program.consts)
 

@@ -345,8 +345,14 @@ def product_flops(program: Program, leaf: int) -> int:
 
 
 def ghost_cost(program: Program) -> int:
-    """Per-example flops that the ghost norms add to a gradient: each leaf's rule."""
-    return sum(rule.flops for rule in program.rules)
+    """Per-example flops that the ghost norms add to a gradient: each leaf's rule, less
+    the Gram matrices of inputs that sites share (``shared_inputs``), taken once."""
+    saved = 0
+    for leaves in shared_inputs(program):
+        site = program.sites[program.rules[leaves[0]].sites[0]]
+        h, t, k, _ = _dense_dims(program, program.eqns[site.eqn], site.free[0])
+        saved += (len(leaves) - 1) * h * t * t * k
+    return sum(rule.flops for rule in program.rules) - saved
 
 
 MATERIALIZE_FLOPS_PER_ENTRY = 12
@@ -354,7 +360,14 @@ MATERIALIZE_FLOPS_PER_ENTRY = 12
 in flops of the ghost norms' products. Calibrated on 2 CPU cores with
 ``benchmarks/clipping.py``: on its transformer block (85k parameters, norms of 1.6
 Mflop per example) per-example gradients took 1.16-1.24x a plain step against ghost's
-1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x."""
+1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x.
+
+Not counted: the per-example weight-gradient products that materialize forms over an
+example's rows, which replace the plain step's one product over the batch but run as
+many small ones. On the tied transformer LM of ``benchmarks/clipping.py`` at 64 tokens
+the model puts ghost at 4.6x materialize (13.2M against 2.9M per example), where both
+measured 1.6-2.0x a plain step on 2 shared cores, materialize no slower; at 256 tokens
+(product forms) materialize took 1.15-1.25x against ghost's 1.3-1.7x, as the model says."""
 
 
 def materialize_cost(program: Program) -> int:
@@ -593,8 +606,14 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
     """Each example's gradient norm of each parameter leaf, ``(examples, leaves)``."""
     rows = jnp.shape(seen.outs[0])[0]
     columns: list[jax.Array] = [jnp.zeros((rows,), jnp.float32)] * program.n_params
+    shared = shared_inputs(program)
+    for leaves in shared:
+        norms = _shared_site_norms(program, leaves, seen)
+        for j, leaf in enumerate(leaves):
+            columns[leaf] = norms[:, j]
+    alone = {leaf for leaves in shared for leaf in leaves}
     for leaf, rule in enumerate(program.rules):
-        if rule.name in GRAM_NORMS:
+        if rule.name in GRAM_NORMS and leaf not in alone:
             columns[leaf] = _site_norms(program, rule, seen)
     direct = [leaf for leaf, r in enumerate(program.rules) if r.name == "direct"]
     if direct:
@@ -602,6 +621,114 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
             columns[leaf] = norms
     wide = jnp.result_type(*columns) if columns else jnp.float32
     return jnp.stack([c.astype(wide) for c in columns], axis=1) if columns else jnp.zeros((rows, 0))
+
+
+def shared_inputs(program: Program) -> list[list[int]]:
+    """The leaves whose Gram forms can share the Gram matrix of their data input: dense
+    sites that read the same value, as rows of the same layout (``q``, ``k`` and ``v``
+    of one input), in groups of two or more."""
+    groups: dict[Any, list[int]] = {}
+    for leaf, rule in enumerate(program.rules):
+        if rule.name == "dense" and rule.form == "gram":
+            site = program.sites[rule.sites[0]]
+            e = program.eqns[site.eqn]
+            (contract, batch), data = _dense_axes(e), 1 - site.free[0]
+            groups.setdefault((e.ins[data], contract[data], batch[data]), []).append(leaf)
+    return [leaves for leaves in groups.values() if len(leaves) > 1]
+
+
+SHARED_FLOOR = -30
+"""The exponent below which no row's largest magnitude may fall, relative to the largest
+of the example's input, for the shared Gram matrix to serve every site: then no row's
+square underflows, and what an inner product loses to underflow is below ``2**-66`` of
+its rows' norms, far within ``u``."""
+
+
+def _shared_site_norms(program: Program, leaves: Sequence[int], seen: Recorded) -> jax.Array:
+    """``(examples, len(leaves))``: the norms of dense leaves whose sites read one input
+    (``shared_inputs``), from one Gram matrix of that input per example.
+
+    The input's rows are scaled once, by the power of two that brings the largest
+    magnitude into ``[1/2, 1)``, and their Gram matrix taken. Each site's Gram form wants
+    its rows scaled by ``_balanced``, row by row: that Gram matrix is the shared one
+    times ``2**(a_t + a_s)`` entry by entry, exactly (powers of two, and no entry
+    underflows: ``SHARED_FLOOR``), and so is its rounding error, so each site's error
+    bound (``_reliable``) holds as if its own rows had been multiplied. Each site's
+    unreliable examples are recomputed by the product form, as in ``_site_norms``; a
+    chunk of examples that does not meet ``SHARED_FLOOR``, or holds a value that is not
+    finite, takes each site's own Gram matrix."""
+    rules = [program.rules[leaf] for leaf in leaves]
+    ks = [rule.sites[0] for rule in rules]
+    sites = [program.sites[k] for k in ks]
+
+    def each(x: Sequence[Any], gs: Sequence[Sequence[Any]]) -> Any:
+        xs = _dense_rows(program, sites[0], x, gs[0])[0]
+        mx = jnp.max(jnp.abs(xs), axis=-1, initial=0.0)
+        top = jnp.max(mx, initial=0.0)
+        usable = jnp.isfinite(top) & (top > 0)
+        e = _clipping.exponent(jnp.where(usable, top, 1))
+        rows = _clipping.exponent(jnp.where(mx > 0, mx, 1)) - e
+        fits = usable & jnp.all((mx == 0) | (rows >= SHARED_FLOOR))
+        xx = gram_matrices(_clipping.times_power(xs, -e))
+        norms, reliable = [], []
+        for site, g in zip(sites, gs, strict=True):
+            xs, g_rows = _dense_rows(program, site, x, g)
+            shift_x, shift_g, kept, scales = _balance(xs, g_rows)
+            fits = fits & jnp.all(jnp.isfinite(g_rows))
+            a = shift_x[..., 0] + e
+            mine = _clipping.times_power(xx, a[..., :, None] + a[..., None, :])
+            mine = jnp.where(kept & jnp.swapaxes(kept, -1, -2), mine, 0)
+            gg = gram_matrices(jnp.where(kept, _clipping.times_power(g_rows, shift_g), 0))
+            norm, ok = _gram_norm(mine, xs.shape[-1], gg, g_rows.shape[-1], scales)
+            norms.append(norm)
+            reliable.append(ok)
+        return jnp.stack(norms), jnp.stack(reliable), fits
+
+    def chunked(chunk: Any) -> jax.Array:
+        x, gs = chunk
+        norms, reliable, fits = jax.vmap(each)(x, gs)
+
+        def checked() -> jax.Array:
+            return jnp.stack(
+                [
+                    _recomputed(program, rule, (x, g), norms[:, j], reliable[:, j])
+                    for j, (rule, g) in enumerate(zip(rules, gs, strict=True))
+                ],
+                axis=1,
+            )
+
+        def alone() -> jax.Array:
+            own = [_checked(program, rule, (x, g)) for rule, g in zip(rules, gs, strict=True)]
+            return jnp.stack(own, axis=1).astype(norms.dtype)
+
+        return jax.lax.cond(jnp.all(fits), checked, alone)
+
+    pairs = (seen.inputs[ks[0]], [seen.cotangents[k] for k in ks])
+    return _by_chunks(chunked, pairs, _chunk_rows(sum(rule.bytes for rule in rules)))
+
+
+def _recomputed(
+    program: Program, rule: Rule, chunk: Any, norms: jax.Array, reliable: jax.Array
+) -> jax.Array:
+    """``norms`` of a chunk of examples, those not ``reliable`` recomputed by the product
+    form (a branch: only where some example needs it)."""
+    site, norm = program.sites[rule.sites[0]], GRAM_NORMS[rule.name]
+
+    def product(pair: Any) -> jax.Array:
+        return norm(program, site, *pair, gram=False)[0]
+
+    def recomputed() -> jax.Array:
+        exact = jax.lax.map(product, chunk, batch_size=_chunk_rows(rule.product_bytes))
+        return jnp.where(reliable, norms, exact.astype(norms.dtype))
+
+    return jax.lax.cond(jnp.all(reliable), lambda: norms, recomputed)
+
+
+def _checked(program: Program, rule: Rule, chunk: Any) -> jax.Array:
+    """A ``gram`` rule's norms of a chunk of examples, checked (``_recomputed``)."""
+    site, norm = program.sites[rule.sites[0]], GRAM_NORMS[rule.name]
+    norms, reliable = jax.vmap(lambda x, g: norm(program, site, x, g, gram=True))(*chunk)
+    return _recomputed(program, rule, chunk, norms, reliable)
 
 
 def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
@@ -617,17 +744,7 @@ def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
     pairs = (seen.inputs[k], seen.cotangents[k])
     if rule.form != "gram":
         return jax.lax.map(product, pairs, batch_size=_chunk_rows(rule.bytes))
-
-    def checked(chunk: Any) -> jax.Array:
-        norms, reliable = jax.vmap(lambda x, g: norm(program, site, x, g, gram=True))(*chunk)
-
-        def recomputed() -> jax.Array:
-            exact = jax.lax.map(product, chunk, batch_size=_chunk_rows(rule.product_bytes))
-            return jnp.where(reliable, norms, exact.astype(norms.dtype))
-
-        return jax.lax.cond(jnp.all(reliable), lambda: norms, recomputed)
-
-    return _by_chunks(checked, pairs, _chunk_rows(rule.bytes))
+    return _by_chunks(lambda chunk: _checked(program, rule, chunk), pairs, _chunk_rows(rule.bytes))
 
 
 def _chunk_rows(per_example: int) -> int:
@@ -644,7 +761,8 @@ def _by_chunks(f: Callable[[Any], jax.Array], xs: Any, size: int) -> jax.Array:
         return f(xs)
     whole = rows // size * size
     stacked = jax.tree.map(lambda x: x[:whole].reshape(rows // size, size, *x.shape[1:]), xs)
-    parts = [jax.lax.map(f, stacked).reshape(whole)]
+    mapped = jax.lax.map(f, stacked)
+    parts = [mapped.reshape(whole, *mapped.shape[2:])]
     if rows > whole:
         parts.append(f(jax.tree.map(lambda x: x[whole:], xs)))
     return jnp.concatenate(parts)
@@ -916,29 +1034,6 @@ def linear_values(
     return total
 
 
-def _exponent(m: jax.Array) -> jax.Array:
-    """The integer ``e`` with ``2**(e - 1) <= m < 2**e``, for ``m`` positive and finite
-    (``m`` subnormal counts as ``2**-126``, float32's smallest normal)."""
-    info = jnp.finfo(m.dtype)
-    ints = jnp.int32 if info.bits == 32 else jnp.int64
-    field = jax.lax.bitcast_convert_type(m, ints) >> info.nmant
-    return jnp.maximum(field, 1) - (info.maxexp - 1) + 1
-
-
-def _times_power(x: jax.Array, k: jax.Array) -> jax.Array:
-    """``x * 2**k``, exactly (unless the result overflows or is subnormal): applied in three
-    parts, so that no power is subnormal (flushed to 0 on the CPU) or infinite."""
-    info = jnp.finfo(x.dtype)
-
-    def power(j: jax.Array) -> jax.Array:
-        return jax.lax.bitcast_convert_type((j + info.maxexp - 1) << info.nmant, x.dtype)
-
-    k = jnp.clip(k, -378, 378)  # three powers of at most 2**126: beyond, it under- or
-    third = k // 3  # overflows anyway
-    half = (k - third) // 2
-    return x * power(third) * power(half) * power(k - third - half)
-
-
 def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
     """Rows ``xs[h, t]`` and ``gs[h, t]`` (at least float32) scaled by powers of two, one
     pair per row, and the factors that undo it, for ``_from_gram``.
@@ -952,12 +1047,21 @@ def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple
     with a zero factor and a finite other contributes nothing, and is zeroed. Where an
     entry is not finite, the rows are left as they are and the first factor returned is
     that magnitude (``inf`` or NaN)."""
+    shift_x, shift_g, kept, scales = _balance(xs, gs)
+    xs = jnp.where(kept, _clipping.times_power(xs, shift_x), 0)
+    gs = jnp.where(kept, _clipping.times_power(gs, shift_g), 0)
+    return xs, gs, scales
+
+
+def _balance(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """``_balanced``'s powers of two: the exponents of each row's scale on each side
+    ``(H, T, 1)``, the rows kept, and the factors that undo the scaling."""
     mx = jnp.max(jnp.abs(xs), axis=-1, initial=0.0)
     mg = jnp.max(jnp.abs(gs), axis=-1, initial=0.0)
     finite = jnp.isfinite(mx) & jnp.isfinite(mg)
     both = finite & (mx > 0) & (mg > 0)
-    ex = _exponent(jnp.where(both, mx, 1))
-    eg = _exponent(jnp.where(both, mg, 1))
+    ex = _clipping.exponent(jnp.where(both, mx, 1))
+    eg = _clipping.exponent(jnp.where(both, mg, 1))
     k = jnp.where(both, (ex - eg) // 2, 0)
     lowest = jnp.iinfo(ex.dtype).min
     top_x = jnp.max(jnp.where(both, ex - k, lowest), initial=lowest)
@@ -968,17 +1072,15 @@ def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple
     kept = (both | ~usable)[..., None]
     shift_x = jnp.where(usable, -k - top_x, 0)[..., None]
     shift_g = jnp.where(usable, k - top_g, 0)[..., None]
-    xs = jnp.where(kept, _times_power(xs, shift_x), 0)
-    gs = jnp.where(kept, _times_power(gs, shift_g), 0)
     one = jnp.ones((), xs.dtype)
     bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
     scales = (
-        jnp.where(usable, _times_power(one, top_x // 2), bad),
-        _times_power(one, top_g // 2),
-        _times_power(one, top_x - top_x // 2),
-        _times_power(one, top_g - top_g // 2),
+        jnp.where(usable, _clipping.times_power(one, top_x // 2), bad),
+        _clipping.times_power(one, top_g // 2),
+        _clipping.times_power(one, top_x - top_x // 2),
+        _clipping.times_power(one, top_g - top_g // 2),
     )
-    return xs, gs, scales
+    return shift_x, shift_g, kept, scales
 
 
 def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -995,11 +1097,11 @@ def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     x = x.astype(wide)
     m = jnp.max(jnp.abs(x), initial=0.0)
     usable = (m > 0) & jnp.isfinite(m)
-    exponent = _exponent(jnp.where(usable, m, 1).astype(wide))
+    exponent = _clipping.exponent(jnp.where(usable, m, 1).astype(wide))
     half = exponent // 2
     one = jnp.ones((), wide)
-    up = _times_power(one, half), _times_power(one, exponent - half)
-    scaled = _times_power(x, -exponent)
+    up = _clipping.times_power(one, half), _clipping.times_power(one, exponent - half)
+    scaled = _clipping.times_power(x, -exponent)
     return scaled, (jnp.where(usable, up[0], jnp.where(m > 0, m, 0)), jnp.where(usable, up[1], 1))
 
 
@@ -1024,6 +1126,14 @@ def _dense_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """One example's norm of ``x^T g`` at a ``dot_general`` site, and whether it is
     reliable (``_product_norm``)."""
+    return _product_norm(*_dense_rows(program, site, inputs, cotangents), gram)
+
+
+def _dense_rows(
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
+) -> tuple[jax.Array, jax.Array]:
+    """One example's rows ``(H, T, K)`` and ``(H, T, N)`` of a ``dot_general`` site's
+    weight gradient ``sum_t x_t (outer) g_t`` (per shared entry ``h``), at least float32."""
     e = program.eqns[site.eqn]
     free = site.free[0]
     (x,), (g,) = inputs, cotangents
@@ -1040,7 +1150,7 @@ def _dense_norm(
     wide = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
     xs = jnp.transpose(x, xb + xf + xc).reshape(h, t, k).astype(wide)
     gs = jnp.transpose(g, tuple(range(nb)) + gx + gw).reshape(h, t, n).astype(wide)
-    return _product_norm(xs, gs, gram)
+    return xs, gs
 
 
 def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, jax.Array]:
@@ -1050,16 +1160,22 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
     the Gram form where its error bound meets ``GRAM_TOLERANCE`` (``_reliable``)."""
     h, t, _ = xs.shape
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
-        norm = _clipping.norm(_clipping.row_norms(xs, h) * _clipping.row_norms(gs, h))
+        norm = _clipping.norm(_clipping.mapped_row_norms(xs, h) * _clipping.mapped_row_norms(gs, h))
         return norm, jnp.ones((), bool)
     xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
         squares = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
         return _from_gram(squares, *scales), jnp.ones((), bool)
-    xx, gg = gram_matrices(xs), gram_matrices(gs)
+    return _gram_norm(gram_matrices(xs), xs.shape[-1], gram_matrices(gs), gs.shape[-1], scales)
+
+
+def _gram_norm(
+    xx: jax.Array, k: int, gg: jax.Array, n: int, scales: tuple[Any, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """The Gram form's norm from the Gram matrices of rows of ``k`` and ``n`` entries
+    scaled by ``_balanced``, and whether it is reliable (``_reliable``)."""
     total = jnp.sum(xx * gg)
-    lengths = inner_error(xs.shape[-1]), inner_error(gs.shape[-1])
-    reliable = _reliable(total, _gram_error(xx, gg, *lengths))
+    reliable = _reliable(total, _gram_error(xx, gg, inner_error(k), inner_error(n)))
     # Where it is not reliable the caller takes the product form's norm instead; 1 keeps
     # the discarded value, and its derivative, finite.
     return _from_gram(jnp.where(reliable, total, 1), *scales), reliable

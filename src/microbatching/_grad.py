@@ -79,7 +79,9 @@ def micro_grad(
         warning names any other positional argument whose leading axis has the batch's
         size (passed whole to every example); pass ``batch_argnums`` to silence it.
       keep_batch_dim: If True, ``fun`` sees each example as a batch of one (axis 0 of
-        size 1); if False, without the batch axis.
+        size 1); if False, without the batch axis. If True, ``fun`` is also traced once,
+        abstractly, on a batch of 4099 rows, and a loss that applies a statistic over
+        the rows back to them (BatchNorm) gets a ``BatchStatisticsWarning``.
       microbatch_size: Examples per microbatch; None does the whole batch at once.
       accumulator: How to combine the transformed gradients (default SUM).
       transform_fn: Applied to each example's gradient before accumulation. With SUM

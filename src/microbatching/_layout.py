@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from . import _sharding
+from . import _sharding, _workarounds
 from ._checks import ensure_microbatch_size, is_int
 from ._typing import PyTree
 
@@ -207,16 +207,19 @@ def constrain(x: jax.Array, where: Shards, spec: list[Any] | None = None) -> jax
 
 
 def rows_apart(x: jax.Array) -> jax.Array:
-    """``x``, per-example results, behind an optimization barrier before they are reduced.
+    """``x``, per-example results, behind an optimization barrier before they are reduced,
+    where ``_workarounds.PER_EXAMPLE_SUM`` applies (XLA:CPU); elsewhere ``x`` itself.
 
     XLA:CPU (jax 0.10.2) miscompiles the sum over rows of a batched outer product, e.g.
     ``jnp.sum(jnp.einsum("bh,bd->bhd", u, x), 0)``, which is what summing per-example
     gradients of a dense layer is: for fewer than 256 rows the result is off by about its
     own size (``benchmarks/xla_per_example_sum_repro.py``). The barrier keeps the reduction
-    from being fused into the product, where the rewrite goes wrong. The rows are
-    materialised anyway: they are the microbatch's per-example results.
+    from being fused into the product, where the rewrite goes wrong, at the cost of
+    writing the rows out before they are summed.
     """
-    return jax.lax.optimization_barrier(x) if x.ndim > 1 else x
+    if x.ndim <= 1 or not _workarounds.PER_EXAMPLE_SUM.applies():
+        return x
+    return jax.lax.optimization_barrier(x)
 
 
 def reduce_rows(
@@ -298,9 +301,10 @@ def reads_bits(leaf: Any) -> bool:
     at 1k rows, 12.1 at 16k), as it does for a hand-written ``dynamic_slice`` loop. Its
     bits (uint16) are read without conversion. Making them costs one copy of the batch at
     its own size (6.0 MiB at 16k rows), half the float32 one: XLA copies for a
-    ``bitcast_convert`` too, and no way to read it in place was found.
+    ``bitcast_convert`` too, and no way to read it in place was found. The gate is
+    ``_workarounds.BF16_BITS``.
     """
-    if getattr(leaf, "dtype", None) != jnp.bfloat16 or jax.default_backend() != "cpu":
+    if getattr(leaf, "dtype", None) != jnp.bfloat16 or not _workarounds.BF16_BITS.applies():
         return False
     return _sharding.explicit_sharding(leaf) is None
 

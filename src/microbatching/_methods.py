@@ -17,13 +17,23 @@ one more entry, with the facts the wrap-time checks and the plan read from it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _accumulators, _clipping, _fsdp, _ghost, _layout, _per_example, _statistics
+from . import (
+    _accumulators,
+    _batch_statistics,
+    _clipping,
+    _fsdp,
+    _ghost,
+    _layout,
+    _per_example,
+    _statistics,
+)
 from ._inspect import ClippingReport, LeafRule, StatisticRule
 from ._per_example import Aux, Examples, Sums
 from ._typing import PyTree, PyTreeFn
@@ -315,6 +325,8 @@ def plan(
     if any(i >= len(args) for i in request.example.nums()):  # the loop says what is missing
         return GradPlan(MATERIALIZE, "a differentiated argument is missing", (), request.summed)
     sums, asked = request.sums(), request.method
+    if request.example.keep_batch_dim:
+        _warn_if_rows_mix(request.example, args, kwargs)
     paths = _per_example.leaf_paths(request.example, args)
     params = jax.tree.leaves([args[i] for i in request.example.nums()])
 
@@ -467,6 +479,43 @@ def _statistics_plan(
             return f"{_CHEAPER}: {costs}"
         why = f"{_ASKED if request.method == 'statistics' else why}: {costs}"
     return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
+
+
+_MIXES_ROWS = (
+    "micro_grad was given keep_batch_dim=True and a loss that computes a statistic over "
+    "the batch axis and applies it back to the rows (at `{primitive}`): a BatchNorm layer, "
+    "a softmax over the examples, a rescaling of each row by a batch total. micro_grad "
+    "computes each example's gradient from that example alone, a batch of one row, so the "
+    "statistic is the example's own and the result differs from the whole batch's (a "
+    "BatchNorm over dense features outputs its bias whatever the input). For per-example "
+    "gradients and DP-SGD normalise each example on its own (GroupNorm, LayerNorm) or "
+    "compute the statistic outside the loss; for gradient accumulation over the batch's "
+    "statistics per microbatch, take jax.grad of microbatch(loss) instead."
+)
+
+
+def _warn_if_rows_mix(example: Examples, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Warns (``BatchStatisticsWarning``) where the loss, as written for a batch, applies a
+    statistic over its rows back to them."""
+    split = _per_example.split_call(
+        dataclasses.replace(example, keep_batch_dim=False), args, kwargs
+    )
+    if not split.data:
+        return
+    nums, axes = example.nums(), example.axes
+    owners = [w for w in [*range(len(args)), *kwargs] if axes.spec(w) is not None and w not in nums]
+    expanded = [  # as Examples.expand gives them a batch axis: the rest get one example
+        axes.position(w) is not None
+        for w in owners
+        for _ in jax.tree.leaves(args[w] if isinstance(w, int) else kwargs[w])
+    ]
+    primitive = _batch_statistics.mixes_rows(split.fun, split.params, split.data, expanded)
+    if primitive is not None:
+        warnings.warn(
+            _MIXES_ROWS.format(primitive=primitive),
+            _batch_statistics.BatchStatisticsWarning,
+            stacklevel=2,
+        )
 
 
 def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Callable[..., Any]:

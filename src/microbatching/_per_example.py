@@ -345,7 +345,7 @@ class _Split:
         return grads[0] if isinstance(example.argnums, int) else tuple(grads)
 
 
-def _split(example: Examples, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Split:
+def split_call(example: Examples, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Split:
     nums = example.nums()
     params, structure = jax.tree.flatten([args[i] for i in nums])
     places = [
@@ -391,7 +391,7 @@ def _analyse(split: _Split, requested: Any) -> _ghost.Program | str:
 
 def leaf_paths(example: Examples, args: tuple[Any, ...]) -> list[str]:
     """The path of each differentiated leaf, as the gradient's tree names it."""
-    split = _split(example, args, {})
+    split = split_call(example, args, {})
     grads = split.gradient(example, split.params)
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
 
@@ -399,19 +399,19 @@ def leaf_paths(example: Examples, args: tuple[Any, ...]) -> list[str]:
 def gradient_shapes(example: Examples, args: tuple[Any, ...]) -> PyTree:
     """One example's gradient as ``jax.ShapeDtypeStruct`` leaves, shaped as ``jax.grad``
     gives it."""
-    split = _split(example, args, {})
+    split = split_call(example, args, {})
     shapes = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in split.params]
     return split.gradient(example, shapes)
 
 
 def read_program(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ghost.Program | str:
     """The traced program of one example's loss, or why the ghost norms cannot read it."""
-    return _analyse(_split(sums.example, args, kwargs), sums.requested)
+    return _analyse(split_call(sums.example, args, kwargs), sums.requested)
 
 
 def ghost_norms(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> jax.Array | str:
     """``(rows, leaves)`` per-example norms of each parameter leaf, by the ghost norms."""
-    split = _split(sums.example, args, kwargs)
+    split = split_call(sums.example, args, kwargs)
     program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
@@ -425,7 +425,7 @@ def ghost(
     """The clipped (weighted) sum by book-keeping, with per-example values, aux and
     norms; or why the ghost norms cannot read this loss."""
     example, clipping = sums.example, sums.clipping
-    split = _split(example, args, kwargs)
+    split = split_call(example, args, kwargs)
     program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
@@ -459,7 +459,7 @@ def statistics(
     example, clipping, reading = sums.example, sums.clipping, sums.reading
     if reading is None:
         raise ValueError("micro_grad's statistics method needs the call's reading.")
-    split = _split(example, args, kwargs)
+    split = split_call(example, args, kwargs)
     program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program

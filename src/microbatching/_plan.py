@@ -754,10 +754,10 @@ def _nothing_fits(result: Plan) -> str:
     fixed = min(row.total_bytes - row.temp_bytes for row in result.table)
     if fixed > result.memory_budget:
         what = (
-            f"the arguments alone take {arguments} bytes ({_bytes(arguments)})"
+            f"the arguments alone take {_amount(arguments)}"
             if arguments > result.memory_budget
-            else f"the arguments and outputs take {fixed} bytes ({_bytes(fixed)}), the "
-            f"arguments {arguments} bytes ({_bytes(arguments)}),"
+            else f"the arguments and outputs take {_amount(fixed)}, the "
+            f"arguments {_amount(arguments)},"
         )
         return (
             f"{head}{what} per device whatever the microbatch size, as microbatching "
@@ -768,8 +768,8 @@ def _nothing_fits(result: Plan) -> str:
     least = min((row.microbatch_size for row in result.table if row.microbatch_size), default=0)
     smaller = "" if least == 1 else f"try candidates below {least or 'the batch size'}, "
     return (
-        f"{head}the smallest total is {smallest.total_bytes} bytes "
-        f"({_bytes(smallest.total_bytes)}), with microbatch_size={smallest.microbatch_size}. "
+        f"{head}the smallest total is {_amount(smallest.total_bytes)}, with "
+        f"microbatch_size={smallest.microbatch_size}. "
         f"Raise memory_budget, {smaller}or shard the arguments over more devices.\n{result}"
     )
 
@@ -805,6 +805,12 @@ def _bytes(n: float) -> str:
     while abs(n) >= 1024 and unit < len(_BYTE_UNITS) - 1:
         n, unit = n / 1024, unit + 1
     return f"{int(n)} B" if unit == 0 else f"{n:.1f} {_BYTE_UNITS[unit]}"
+
+
+def _amount(n: int) -> str:
+    """``616`` -> ``'616 bytes'``, ``1536`` -> ``'1536 bytes (1.5 KiB)'``: exact, and
+    readable where the units help."""
+    return f"{n} bytes" if abs(n) < 1024 else f"{n} bytes ({_bytes(n)})"
 
 
 def _si(x: float) -> str:

@@ -1,0 +1,179 @@
+"""Each backend workaround (``_workarounds``) applies where its gate says, its fault is
+still there on the installed JAX wherever it applies, and the code it gates does without
+it where it does not."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxpr_as_fun
+
+from microbatching import _convs, _layout, _workarounds, micro_grad
+
+from .strategies import assert_close
+
+OFF = _workarounds.Workaround("no-such-backend", (), None, "")
+
+
+def without(monkeypatch, name):
+    monkeypatch.setattr(_workarounds, name, OFF)
+
+
+def test_a_workaround_applies_on_its_backend_until_the_version_that_fixed_it():
+    version = _workarounds.jaxlib_version()
+    assert version >= (0, 7) and all(isinstance(part, int) for part in version)
+    backend = jax.default_backend()
+    assert _workarounds.Workaround(backend, (), None, "").applies()
+    assert _workarounds.Workaround(backend, (), (*version[:-1], version[-1] + 1), "").applies()
+    assert not _workarounds.Workaround(backend, (), version, "").applies()
+    assert not OFF.applies()
+
+
+def _per_example_sum(rows, barrier):
+    """The repro's program (``benchmarks/xla_per_example_sum_repro.py``) at the smallest
+    shapes it was seen at here: a 256x256 layer's per-example gradients, summed."""
+    k = jax.random.split(jax.random.key(0), 4)
+    w1, w2 = jax.random.normal(k[0], (256, 256)), jax.random.normal(k[1], (256, 16))
+    x, y = jax.random.normal(k[2], (rows, 256)), jax.random.normal(k[3], (rows, 16))
+
+    def one(a, b):
+        return jax.grad(lambda w: jnp.sum((a @ w) @ w2 * b))(w1)
+
+    def total(x, y):
+        each = jax.vmap(one)(x, y)
+        return jnp.sum(jax.lax.optimization_barrier(each) if barrier else each, 0)
+
+    x64, y64, w64 = (np.asarray(v, np.float64) for v in (x, y, w2))
+    return jax.jit(total)(x, y), x64.T @ (y64 @ w64.T)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measured on XLA:CPU")
+def test_the_per_example_sum_is_wrong_without_the_barrier_where_the_gate_applies():
+    got, want = _per_example_sum(2, barrier=False)
+    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    if _workarounds.PER_EXAMPLE_SUM.applies():
+        assert error > 0.1, (
+            f"jaxlib {_workarounds.jaxlib_version()} sums per-example rows right ({error=:.1e}): set "
+            "PER_EXAMPLE_SUM.fixed_in to it, so that the barrier is left out"
+        )
+    else:
+        assert_close(got, want, dtype=jnp.float32, factor=10)
+    barred, want = _per_example_sum(2, barrier=True)
+    assert_close(barred, want, dtype=jnp.float32, factor=10)
+
+
+def _dense_loss(w, x, y):
+    return jnp.sum((jnp.tanh(x @ w["a"]) @ w["b"] - y) ** 2)
+
+
+def _barriers(jaxpr):
+    """The optimization barriers of a program, at any depth."""
+    return str(jaxpr).count("optimization_barrier")
+
+
+def _clip(g):
+    norm = jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))
+    return jax.tree.map(lambda leaf: leaf * jnp.minimum(1.0, 1.0 / norm), g)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"l2_clip_norm": 1.0, "clip_method": "materialize"}, {"transform_fn": _clip}],
+    ids=["materialize", "transform_fn"],
+)
+def test_per_example_rows_pass_a_barrier_only_where_the_gate_applies(monkeypatch, options):
+    w = {"a": jnp.full((4, 3), 0.1), "b": jnp.full((3, 2), 0.2)}
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+    y = jax.random.normal(jax.random.key(2), (8, 2))
+
+    def fun():  # a new function each time: no trace is reused from a cache
+        grad = micro_grad(_dense_loss, batch_argnums=(1, 2), microbatch_size=4, **options)
+        return lambda *args: grad(*args)[0]
+
+    barred = 2 if _workarounds.PER_EXAMPLE_SUM.applies() else 0  # one per leaf
+    on = _barriers(jax.make_jaxpr(fun())(w, x, y))
+    expected = jax.jit(fun())(w, x, y)
+    without(monkeypatch, "PER_EXAMPLE_SUM")
+    assert _layout.rows_apart(x) is x
+    off = _barriers(jax.make_jaxpr(fun())(w, x, y))
+    assert on - off == barred
+    # These shapes are not ones XLA:CPU gets wrong: the sums agree either way.
+    assert_close(jax.jit(fun())(w, x, y), expected)
+
+
+def _conv_program():
+    x = jnp.ones((2, 3, 4, 4))
+    w = jnp.ones((2, 3, 2, 2))
+    dims = ("NCHW", "OIHW", "NCHW")
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=dims)
+
+    return jax.make_jaxpr(conv)(x, w), (x, w)
+
+
+def test_convolutions_are_reordered_only_where_the_gate_applies(monkeypatch):
+    program, args = _conv_program()
+    reordered = _convs.canonical(program)
+    assert (reordered is not program) == _workarounds.CONV_ORDER.applies()
+    assert_close(jaxpr_as_fun(reordered)(*args), jaxpr_as_fun(program)(*args))
+    without(monkeypatch, "CONV_ORDER")
+    assert _convs.canonical(program) is program
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measured on XLA:CPU")
+def test_a_convolution_gradient_in_a_loop_keeps_its_order_where_the_gate_applies():
+    """The fault itself, read off the compiled program of a hand-written loop: XLA:CPU
+    leaves a convolution of another order than Eigen's inside the while body."""
+
+    def loss(w, x):
+        out = jax.lax.conv_general_dilated(
+            x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.sum(out**2)
+
+    def looped(w, x):
+        def body(i, total):
+            rows = jax.lax.dynamic_slice_in_dim(x, i * 4, 4)
+            return total + jax.grad(loss)(w, rows)
+
+        return jax.lax.fori_loop(0, 2, body, jnp.zeros_like(w))
+
+    w = jax.ShapeDtypeStruct((3, 3, 2, 4), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 8, 8, 2), jnp.float32)
+    text = str(jax.jit(looped).lower(w, x).compile().as_text())
+    labels = set(re.findall(r"convolution\(.*dim_labels=([\w>-]+)", text))
+    other = {label for label in labels if label != "b01f_01io->b01f"}
+    assert bool(other) == _workarounds.CONV_ORDER.applies(), labels
+
+
+def test_bfloat16_batches_are_read_as_bits_only_where_the_gate_applies(monkeypatch):
+    batch = jnp.ones((4, 3, 2), jnp.bfloat16)
+    assert _layout.reads_bits(batch) == _workarounds.BF16_BITS.applies()
+    assert not _layout.reads_bits(batch.astype(jnp.float32))
+    without(monkeypatch, "BF16_BITS")
+    assert not _layout.reads_bits(batch)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measured on XLA:CPU")
+def test_a_bfloat16_read_in_a_loop_copies_the_batch_to_float32_where_the_gate_applies():
+    """The fault itself: a hand-written ``dynamic_slice`` loop over a bfloat16 batch
+    takes a float32 copy of the whole batch as temp memory."""
+
+    def looped(x):
+        def body(i, total):
+            return total + jnp.sum(jax.lax.dynamic_slice_in_dim(x, i * 64, 64).astype(jnp.float32))
+
+        return jax.lax.fori_loop(0, x.shape[0] // 64, body, jnp.zeros(()))
+
+    def temp(rows):
+        x = jax.ShapeDtypeStruct((rows, 16, 12), jnp.bfloat16)
+        analysis = jax.jit(looped).lower(x).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    grown = temp(16384) - temp(1024)
+    float32_copy = (16384 - 1024) * 16 * 12 * 4
+    assert (grown >= 0.9 * float32_copy) == _workarounds.BF16_BITS.applies(), grown
