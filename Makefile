@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/accumulation.py
 	$(BIN)/python benchmarks/clipping.py
 	$(BIN)/python benchmarks/remainder.py
+	$(BIN)/python benchmarks/gradient_statistics.py
 	$(BIN)/python benchmarks/plots.py
 
 format: $(STAMP)

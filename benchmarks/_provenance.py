@@ -32,6 +32,7 @@ RESULTS = {
     "ACCUMULATION.md": "accumulation.py",
     "CLIPPING.md": "clipping.py",
     "REMAINDER.md": "remainder.py",
+    "STATISTICS.md": "gradient_statistics.py",
 }
 PLOTS_SCRIPT = "plots.py"  # writes benchmarks/plots/*.png
 PNG_KEY = "Comment"  # the PNG text chunk that holds a plot's stamp

@@ -68,8 +68,17 @@ UNSTAMPED = pytest.mark.xfail(
 )
 
 
-@UNSTAMPED
-@pytest.mark.parametrize(("name", "script"), provenance.RESULTS.items())
+CURRENT = {"STATISTICS.md"}
+"""Results files written by a full run since the stamps came in: no longer expected to fail."""
+
+
+@pytest.mark.parametrize(
+    ("name", "script"),
+    [
+        pytest.param(name, script, marks=() if name in CURRENT else UNSTAMPED)
+        for name, script in provenance.RESULTS.items()
+    ],
+)
 def test_results_are_from_the_current_sources(name: str, script: str):
     why = _stale(BENCHMARKS / name, script)
     assert why is None, f"benchmarks/{name} is stale: {why}: {_rerun(script)}"

@@ -888,7 +888,7 @@ def test_unknown_clip_method():
     with pytest.raises(
         ValueError,
         match=r"clip_method must be one of \('auto', 'ghost', 'two_pass', 'chunked', "
-        r"'materialize'\), got clip_method='bogus'\.",
+        r"'materialize', 'statistics'\), got clip_method='bogus'\.",
     ):
         # An untyped caller's mistake: the type checker refuses it, the wrapper says why.
         micro_grad(mlp().loss, l2_clip_norm=CLIP, clip_method="bogus")  # pyright: ignore[reportArgumentType]

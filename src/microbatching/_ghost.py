@@ -338,6 +338,12 @@ def _rows_of(program: Program, site: Site) -> int:
     return max(1, math.prod(out) // max(out[-1], 1)) if out else 1
 
 
+def product_flops(program: Program, leaf: int) -> int:
+    """Per-example flops of ``leaf``'s own gradient from its sites' products."""
+    size = math.prod(program.avals[leaf].shape)
+    return size * sum(_rows_of(program, program.sites[k]) for k in program.rules[leaf].sites)
+
+
 def ghost_cost(program: Program) -> int:
     """Per-example flops that the ghost norms add to a gradient: each leaf's rule, less
     the Gram matrices of inputs that sites share (``shared_inputs``), taken once."""
@@ -861,7 +867,7 @@ def _free_with(
     return free_values(program, full)
 
 
-def _per_example_grads(
+def per_example_grads(
     program: Program, params: Sequence[Any], leaves: Sequence[int], sites: Sequence[int]
 ) -> Callable[[Any, Any], list[Any]]:
     """One example's gradients of ``leaves`` from the products at ``sites``."""
@@ -880,7 +886,8 @@ def _per_example_grads(
     return grads
 
 
-def _chunk(program: Program, leaves: Sequence[int]) -> int:
+def chunk(program: Program, leaves: Sequence[int]) -> int:
+    """How many examples' gradients of ``leaves`` fit in ``DIRECT_CHUNK_BYTES``."""
     size = sum(
         math.prod(program.avals[leaf].shape) * program.avals[leaf].dtype.itemsize for leaf in leaves
     )
@@ -891,13 +898,13 @@ def _direct_norms(
     program: Program, params: Sequence[Any], seen: Recorded, leaves: Sequence[int]
 ) -> list[jax.Array]:
     sites = _direct_sites(program, leaves)
-    grads = _per_example_grads(program, params, leaves, sites)
+    grads = per_example_grads(program, params, leaves, sites)
 
     def norms(pair: Any) -> list[jax.Array]:
         return [_clipping.norm(g) for g in grads(*pair)]
 
     xs = ([seen.inputs[k] for k in sites], [seen.cotangents[k] for k in sites])
-    return jax.lax.map(norms, xs, batch_size=_chunk(program, leaves))
+    return jax.lax.map(norms, xs, batch_size=chunk(program, leaves))
 
 
 def clipped_sum(
@@ -927,34 +934,35 @@ def clipped_sum(
         other = [k for k in reached if not program.sites[k].linear]
         for leaf, g in zip(
             leaves,
-            _scaled_products(program, params, seen, leaves, linear, factor, kept, clean),
+            scaled_products(program, params, seen, leaves, linear, factor, kept, clean),
             strict=True,
         ):
             total[leaf] = total[leaf] + g
         if other:
-            grads = _per_example_grads(program, params, leaves, other)
+            grads = per_example_grads(program, params, leaves, other)
             xs = (
                 [_zero_rows(seen.inputs[k], kept) for k in other],
                 [_zero_rows(seen.cotangents[k], kept) for k in other],
             )
             each = jax.lax.map(
-                lambda pair, f=grads: f(*pair), xs, batch_size=_chunk(program, leaves)
+                lambda pair, f=grads: f(*pair), xs, batch_size=chunk(program, leaves)
             )
             for leaf, g in zip(leaves, each, strict=True):
                 w = jnp.where(kept, factor, 0).astype(g.dtype)
-                total[leaf] = total[leaf] + jnp.tensordot(w, jnp.where(_rows(kept, g), g, 0), 1)
+                total[leaf] = total[leaf] + jnp.tensordot(w, jnp.where(at_rows(kept, g), g, 0), 1)
     return total
 
 
-def _rows(keep: jax.Array, x: jax.Array) -> jax.Array:
+def at_rows(keep: jax.Array, x: jax.Array) -> jax.Array:
+    """``keep`` of shape ``(rows,)`` broadcast against ``x`` along its axis 0."""
     return jnp.reshape(keep, keep.shape + (1,) * (jnp.ndim(x) - 1))
 
 
 def _zero_rows(values: Sequence[Any], keep: jax.Array) -> list[Any]:
-    return [jnp.where(_rows(keep, v), v, jnp.zeros((), v.dtype)) for v in values]
+    return [jnp.where(at_rows(keep, v), v, jnp.zeros((), v.dtype)) for v in values]
 
 
-def _scaled_products(
+def scaled_products(
     program: Program,
     params: Sequence[Any],
     seen: Recorded,
@@ -979,8 +987,8 @@ def _scaled_products(
     outs, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
 
     def scaled(g: jax.Array, out: jax.Array) -> jax.Array:
-        g = g * _rows(factor, g).astype(g.dtype)
-        g = jnp.where(_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
+        g = g * at_rows(factor, g).astype(g.dtype)
+        g = jnp.where(at_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
         # On an Explicit mesh the recorded cotangent may be laid out otherwise than the
         # site's output (a tensor-parallel layer): the VJP wants the output's type.
         sharding = _sharding.explicit_sharding(out)
@@ -991,6 +999,39 @@ def _scaled_products(
         for k, out in zip(sites, outs, strict=True)
     ]
     return pull(cotangents)[0]
+
+
+def linear_values(
+    program: Program, params: Sequence[Any], seen: Recorded, direction: Sequence[Any]
+) -> jax.Array:
+    """Each example's ``<g_b, V>`` for a ``direction`` ``V`` (one array per parameter
+    leaf), ``(rows,)``: at every site, the output cotangents against the site's product
+    with ``V`` pushed through the parameters-only program (one JVP, never a gradient).
+    Exact where every site is linear in its cotangent, whose VJP is then the JVP's
+    transpose."""
+    leaves = [leaf for leaf, r in enumerate(program.rules) if r.name != "unused"]
+    sites = _direct_sites(program, leaves)
+    rows = jnp.shape(seen.outs[0])[0]
+    if not sites:
+        return jnp.zeros((rows,), jnp.result_type(*params) if params else jnp.float32)
+
+    def outs_of(values: Sequence[Any]) -> list[Any]:
+        env = _free_with(program, params, leaves, values)
+        return [
+            jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(
+                seen.inputs[k]
+            )
+            for k in sites
+        ]
+
+    primals = [params[leaf] for leaf in leaves]
+    tangents = [jnp.asarray(direction[leaf], jnp.result_type(params[leaf])) for leaf in leaves]
+    _, pushed = jax.jvp(outs_of, (primals,), (tangents,))
+    total: Any = 0
+    for k, outs in zip(sites, pushed, strict=True):
+        for t, g in zip(outs, seen.cotangents[k], strict=True):
+            total = total + jnp.sum(t * g, axis=tuple(range(1, t.ndim)))
+    return total
 
 
 def _balanced(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:

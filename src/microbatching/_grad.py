@@ -84,9 +84,22 @@ def micro_grad(
         the rows back to them (BatchNorm) gets a ``BatchStatisticsWarning``.
       microbatch_size: Examples per microbatch; None does the whole batch at once.
       accumulator: How to combine the transformed gradients (default SUM).
-      transform_fn: Applied to each example's gradient before accumulation.
+      transform_fn: Applied to each example's gradient before accumulation. With SUM
+        or MEAN, ``micro_grad`` reads it off its traced program: an output leaf linear
+        in the gradient (the gradient itself, a multiple, a ``vdot`` with a fixed
+        direction) comes from the (clipped) sum; a multiplicative function of one leaf
+        (``g**2``, ``jnp.sign``, ``jnp.abs``) at a dense layer without a sequence is one
+        product of the layer's activations and output cotangents, as the gradient's
+        own; any other elementwise function of one leaf is that leaf's own per-example
+        gradients, a chunk of examples at a time. The model's per-example gradients
+        are then never formed; anything else forms them. ``clipping_report`` says which
+        form each output leaf takes, and ``clip_method="materialize"`` forms them
+        always.
       metrics_fn: Applied to each example's gradient before ``transform_fn``; returned
-        per example in ``Aux.metrics``, so keep it small (a norm, a sign...).
+        per example in ``Aux.metrics``, so keep it small (a norm, a sign...). A
+        ``metrics_fn`` linear in the gradient (a dot product with a reference
+        gradient, a fixed projection) is read the same way, from one more product per
+        layer.
       num_real_microbatches: See ``microbatch``.
       l2_clip_norm: If set, each example's gradient is first scaled by
         ``min(1, l2_clip_norm / ||g_b||)``, its L2 norm taken over the whole gradient
@@ -117,8 +130,15 @@ def micro_grad(
         - ``"chunked"``: per-example gradients a chunk of rows at a time for the norms,
           then that weighted gradient.
         - ``"materialize"``: per-example gradients, scaled and summed.
+        - ``"statistics"``: ``transform_fn`` and ``metrics_fn`` read off their traced
+          programs, each output leaf summed from the layers' activations and output
+          cotangents (see ``transform_fn``), with SUM or MEAN; a ``ValueError`` says
+          why where it cannot read them.
         - ``"auto"`` (default): ``"ghost"`` or ``"materialize"``, whichever a cost
-          model finds cheaper for the call; ``clipping_report`` says which, and why.
+          model finds cheaper for the call, or ``"statistics"`` for a
+          ``transform_fn`` or ``metrics_fn`` it can read where the same cost model finds
+          it cheaper than forming the per-example gradients;
+          ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
       gather_params: Where differentiated arguments sharded over the batch's mesh axes
@@ -233,7 +253,13 @@ class _Calls:
             )
             self.per_shard = _fsdp.supports_summed(kinds, settings.count)
             self.local_step = _methods.summed(request, self.folds, self.local)
+            self.statistics: Any = None  # the summed loop runs the statistics method too
         else:
+            self.statistics = (
+                _vmap.loop_over(_methods.summed(request, kinds, settings), example.axes, settings)
+                if request.reads_statistics
+                else None
+            )
             one = _per_example.per_example(
                 example, request.clipping, request.transform, request.metrics
             )
@@ -268,6 +294,8 @@ class _Calls:
             args = tuple(_layout.replicated(a) if i in nums else a for i, a in enumerate(args))
         if request.summed:
             return self.looped(args, kwargs, weights, plan)
+        if plan.summed and self.statistics is not None:  # the statistics method
+            return self.statistics(args, kwargs, weights, plan)
         return self.looped(args, kwargs, weights)
 
     def plan(
@@ -288,13 +316,14 @@ class _Calls:
             leaves = jax.tree.leaves([args[i] for i in nums if i < len(args)])
             where = _fsdp.layout(first, leaves, settings.mesh_axes, request.trade, given)
         weighted = weights is not None or padded
+        sharded = first is not None and _layout.shards(first, 0, settings.mesh_axes) is not None
         nums = example.nums()
 
         def abstract(owner: int | str) -> bool:  # the batch and the parameters
             return owner in nums or example.axes.spec(owner) is not None
 
         def planned(a: tuple[Any, ...], k: dict[str, Any]) -> _methods.GradPlan:
-            return _methods.plan(request, a, k, weighted, where)
+            return _methods.plan(request, a, k, weighted, where, sharded)
 
         return _abstractly(planned, args, kwargs, abstract)
 

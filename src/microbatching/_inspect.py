@@ -46,6 +46,31 @@ class LeafRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class StatisticRule:
+    """How one output leaf of ``transform_fn`` (or ``metrics_fn``) is computed by the
+    statistics method.
+
+    Attributes:
+      path: The output leaf, e.g. ``transform_fn[1]['kernel']``.
+      form: ``linear`` (from the clipped sum: the leaf is linear in the gradient),
+        ``factorised`` (one product of the site's rows, as the gradient's own, for a
+        multiplicative function at a dense site with one row per example), ``direct``
+        (the parameter leaf's own per-example gradient, a chunk of examples at a time)
+        or ``constant`` (it reads no gradient).
+      leaf: The parameter leaf it reads, for ``factorised`` and ``direct``; else empty.
+      why: Why it takes this form, in words.
+
+    >>> StatisticRule("transform_fn[1]['w']", "factorised", "['w']", "").form
+    'factorised'
+    """
+
+    path: str
+    form: str
+    leaf: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ClippingReport:
     """What ``micro_grad`` does for one call: its method, and each leaf's rule.
 
@@ -54,9 +79,14 @@ class ClippingReport:
         ``two_pass`` (ghost norms, then the gradient of the loss weighted by the clip
         factors), ``chunked`` (per-example gradients a chunk at a time for the norms,
         then that weighted gradient), ``materialize`` (per-example gradients, scaled and
-        summed) or ``plain`` (no clipping and no norms: one gradient of the summed loss).
+        summed), ``plain`` (no clipping and no norms: one gradient of the summed loss)
+        or ``statistics`` (a ``transform_fn`` read off its traced program, each output
+        leaf summed from the layers' activations and output cotangents, as
+        ``statistics`` says).
       reason: Why, in words.
       leaves: One ``LeafRule`` per parameter leaf.
+      statistics: For ``statistics``, one ``StatisticRule`` per output leaf of
+        ``transform_fn`` (then of a linear ``metrics_fn``); else empty.
 
     >>> report = ClippingReport("plain", "nothing to clip", ())
     >>> report.coverage()
@@ -66,6 +96,7 @@ class ClippingReport:
     method: str
     reason: str
     leaves: tuple[LeafRule, ...]
+    statistics: tuple[StatisticRule, ...] = ()
 
     def coverage(self) -> dict[str, float]:
         """The fraction of the parameters' entries (their count, not their bytes) that
@@ -84,7 +115,8 @@ class ClippingReport:
             f"{'+'.join(leaf.sites)}"
             for leaf in self.leaves
         ]
-        return "\n".join([head, f"coverage of parameters: {share}", *rows])
+        forms = [f"  {s.path:<40} {s.form:<10} {s.leaf:<24} {s.why}" for s in self.statistics]
+        return "\n".join([head, f"coverage of parameters: {share}", *rows, *forms])
 
 
 def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ClippingReport:

@@ -24,8 +24,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _accumulators, _batch_statistics, _clipping, _fsdp, _ghost, _layout, _per_example
-from ._inspect import ClippingReport, LeafRule
+from . import (
+    _accumulators,
+    _batch_statistics,
+    _clipping,
+    _fsdp,
+    _ghost,
+    _layout,
+    _per_example,
+    _statistics,
+)
+from ._inspect import ClippingReport, LeafRule, StatisticRule
 from ._per_example import Aux, Examples, Sums
 from ._typing import PyTree, PyTreeFn
 from ._wrap import Settings
@@ -60,6 +69,15 @@ class Method:
         """Wrap-time: raises a ValueError naming the fix where this method, asked for by
         name, cannot compute ``request``."""
         name, clipping = self.name, request.clipping
+        if name == "statistics":
+            if not (_accumulators.is_linear(request.accumulators) and not request.batched_grad):
+                raise ValueError(
+                    "micro_grad was given clip_method='statistics', which sums the "
+                    "transformed gradients from the layers' activations and cotangents, "
+                    f"but accumulator={request.accumulators!r} or a batched argnums needs "
+                    "each example's gradient; use SUM or MEAN, or clip_method='auto'."
+                )
+            return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
             raise ValueError(
                 f"micro_grad was given clip_method={name!r}, which scales each example's "
@@ -117,6 +135,13 @@ def _chunked(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any
     return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
 
 
+def _statistics_step(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+    out = _per_example.statistics(sums, weights, args, kwargs)
+    if isinstance(out, str):  # the plan read the same program before the loop
+        raise RuntimeError(f"micro_grad planned the statistics, but in the loop {out}.")
+    return out
+
+
 def _materialize(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
     return _per_example.explicit(sums, weights, args, kwargs)
 
@@ -132,9 +157,16 @@ CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True)
 the gradient of the loss weighted by the clip factors."""
 MATERIALIZE = Method("materialize", _materialize, scales_loss=False, forms_gradients=True)
 """Per-example gradients, scaled and summed in the accumulation dtype."""
+STATISTICS = Method("statistics", _statistics_step, scales_loss=False, forms_gradients=False)
+"""A ``transform_fn`` read off its traced program: each output leaf's sum from the
+sites of the ghost engine, by the form ``_statistics`` gives it, without the
+per-example gradients of the model."""
 
-METHODS: dict[str, Method] = {m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE)}
-"""Every method, by name; ``clip_method`` names all but ``plain``, and ``"auto"``."""
+METHODS: dict[str, Method] = {
+    m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE, STATISTICS)
+}
+"""Every method, by name; ``clip_method`` names all but ``plain`` and ``statistics``
+(which ``auto`` picks for a ``transform_fn`` it can read), and ``"auto"``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +209,13 @@ class GradRequest:
         return identity and linear and not self.batched_grad
 
     @property
+    def reads_statistics(self) -> bool:
+        """Whether a call may take the statistics method: linear accumulators, no
+        batched argnums, and ``clip_method`` left to ``auto``."""
+        linear = _accumulators.is_linear(self.accumulators)
+        return linear and not self.batched_grad and self.method in ("auto", "statistics")
+
+    @property
     def gradient_metrics(self) -> bool:
         """Whether ``metrics_fn`` needs each example's gradient (not ``l2_norm``)."""
         return self.metrics not in (_per_example.no_metrics, _per_example.l2_norm)
@@ -214,6 +253,7 @@ class GradPlan:
         one factor per example is exactly the scaled sum of the per-example gradients
         (``summed_is_exact`` with scaling), so that the mean's ``1 / rows`` may seed it.
       layout: The call's sharded layout (``_fsdp.layout``), or None.
+      reading: For ``statistics``, the reading of ``transform_fn`` and ``metrics_fn``.
     """
 
     method: Method
@@ -222,10 +262,26 @@ class GradPlan:
     summed: bool = True
     seedable: bool = False
     layout: _fsdp.Layout | None = None
+    reading: _statistics.Reading | None = None
 
     def report(self) -> ClippingReport:
         """The plan as ``clipping_report`` shows it."""
-        return ClippingReport(self.method.name, self.reason, self.leaves)
+        statistics: tuple[StatisticRule, ...] = ()
+        if self.reading is not None:
+            paths = [leaf.path for leaf in self.leaves]
+            statistics = tuple(
+                StatisticRule(
+                    f"transform_fn{s.path}",
+                    s.form,
+                    "" if s.leaf is None else paths[s.leaf],
+                    s.why,
+                )
+                for s in self.reading.outputs
+            ) + tuple(
+                StatisticRule(f"metrics_fn{s.path}", s.form, "", s.why)
+                for s in self.reading.metric_outputs
+            )
+        return ClippingReport(self.method.name, self.reason, self.leaves, statistics)
 
     def seeds(self, accumulators: Any, weighted: bool) -> bool:
         """Whether a step with ``accumulators`` seeds the backward pass with the mean's
@@ -255,9 +311,11 @@ def plan(
     kwargs: dict[str, Any],
     weighted: bool,
     layout: _fsdp.Layout | None = None,
+    sharded: bool = False,
 ) -> GradPlan:
     """The plan of one call with positional ``args`` and ``kwargs`` (no weights), which
-    are weighted where ``weighted``; raises where the method asked for cannot compute it.
+    are weighted where ``weighted``, and whose batch is split over a mesh where
+    ``sharded``; raises where the method asked for cannot compute it.
 
     Every decision of the summed path is here, in this order: nothing per example (the
     plain gradient, where exact); a ``metrics_fn`` that needs the gradients (chunked);
@@ -279,12 +337,16 @@ def plan(
         )
         return GradPlan(method, why, leaves, request.summed, seedable, layout)
 
-    if not request.summed:
-        why = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
-        return each(MATERIALIZE, "per-example", why)
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
         return each(MATERIALIZE, "per-example", "the batch is empty")
+    if not request.summed:
+        return _per_example_plan(request, args, kwargs, layout, sharded, each)
+    if asked == "statistics":
+        found = _statistics_plan(request, args, kwargs, layout, sharded)
+        if isinstance(found, str):
+            raise ValueError(_NO_STATISTICS.format(reason=found))
+        return found
     scaled = request.clipping is not None or weighted
 
     proven: dict[bool, bool] = {}
@@ -311,6 +373,9 @@ def plan(
     if asked == "chunked":
         return each(CHUNKED, "per-example", _ASKED)
     if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
+        found = _statistics_plan(request, args, kwargs, layout, sharded)
+        if not isinstance(found, str):
+            return found
         why = (
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
             "gives the norms without them)"
@@ -338,6 +403,82 @@ def plan(
     why = _ASKED if asked != "auto" else "the ghost norms read this loss"
     method = TWO_PASS if asked == "two_pass" else GHOST
     return GradPlan(method, f"{why}: {costs}", leaves, layout=layout)
+
+
+_PER_EXAMPLE = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
+_NO_STATISTICS = (
+    "micro_grad was given clip_method='statistics', but it cannot compute this call "
+    "without the per-example gradients: {reason}. Pass clip_method='auto' to let "
+    "micro_grad pick an exact method."
+)
+
+
+def _per_example_plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: _fsdp.Layout | None,
+    sharded: bool,
+    each: Callable[[Method, str, str], GradPlan],
+) -> GradPlan:
+    """The plan of a call with a ``transform_fn`` or accumulators other than SUM and
+    MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``,
+    else the per-example gradients (materialize), with why."""
+    if not request.reads_statistics:
+        why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
+        return each(MATERIALIZE, "per-example", why)
+    found = _statistics_plan(request, args, kwargs, layout, sharded)
+    if isinstance(found, str):
+        if request.method == "statistics":
+            raise ValueError(_NO_STATISTICS.format(reason=found))
+        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {found}")
+    return found
+
+
+def _statistics_plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: _fsdp.Layout | None,
+    sharded: bool,
+) -> GradPlan | str:
+    """The statistics method's plan where it reads ``transform_fn`` and ``metrics_fn``
+    (``_statistics.read``) and the ghost engine reads the loss; else why not. The batch
+    is not empty."""
+    if sharded or layout is not None:
+        return (
+            "the batch is split over a mesh, and the statistics method does not lay its "
+            "sums out per shard yet"
+        )
+    sums = request.sums()
+    program = _per_example.read_program(sums, args, kwargs)
+    if isinstance(program, str):
+        return program
+    grads = _per_example.gradient_shapes(request.example, args)
+    norms = request.metrics is _per_example.l2_norm
+    reading = _statistics.read(
+        request.transform, sums.metrics, norms, grads, program.rules, program.sites
+    )
+    if isinstance(reading, str):
+        return reading
+    paths = _per_example.leaf_paths(request.example, args)
+    leaves = tuple(
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
+        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
+    )
+    counts: dict[str, int] = {}
+    for s in reading.outputs + reading.metric_outputs:
+        counts[s.form] = counts.get(s.form, 0) + 1
+    forms = ", ".join(f"{n} {form}" for form, n in counts.items())
+    read = "transform_fn and metrics_fn" if reading.metric_outputs else "transform_fn"
+    why = f"{read} read off the traced program, each output leaf from the sites: {forms}"
+    if request.transform is not _per_example.identity:
+        mine, theirs = _statistics.cost(reading, program), _statistics.materialize_cost(program)
+        costs = f"{mine:,} flops per example against {theirs:,} for per-example gradients"
+        if request.method == "auto" and theirs < mine:
+            return f"{_CHEAPER}: {costs}"
+        why = f"{_ASKED if request.method == 'statistics' else why}: {costs}"
+    return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
 
 
 _MIXES_ROWS = (
@@ -389,6 +530,7 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
 
     def per_microbatch(plan: GradPlan, weights: Any, *args: Any, **kwargs: Any) -> Any:
         step = plan.method.step
+        here = sums if plan.reading is None else dataclasses.replace(sums, reading=plan.reading)
         with jax.named_scope("micro_grad_step"):
             first = _per_example.first_batched(axes, args, kwargs)
             rows = first.shape[0]
@@ -399,15 +541,15 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
                     # result: XLA then adds an embedding's scattered gradient into the
                     # carry in place, where a scaled one took a copy of the table and
                     # 2.5x the time.
-                    grads, aux = step(sums, 1 / rows, None, args, kwargs)
+                    grads, aux = step(here, 1 / rows, None, args, kwargs)
                     return _open_all(grads, requested, None), aux
-                grads, aux = step(sums, None, weights, args, kwargs)
+                grads, aux = step(here, None, weights, args, kwargs)
                 if weights is None:
                     grads = _accumulators.per_row(accumulators, grads, rows)
                 return _open_all(grads, requested, None), aux
 
             def local(w: Any, *a: Any, **k: Any) -> Any:
-                return step(sums, None, w, a, k)
+                return step(here, None, w, a, k)
 
             grads, aux = _per_example.by_shard(local, axes, where, weights, args, kwargs)
             grads = _open_all(grads, requested, "sum", where)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _accumulators, _clipping, _ghost, _layout, _programs, _vmap
+from . import _accumulators, _clipping, _ghost, _layout, _programs, _statistics, _vmap
 from ._signature import BatchAxes
 from ._typing import Function, PyTree
 
@@ -202,12 +202,15 @@ class Sums:
       clipping: The clipping options, or None.
       metrics: ``metrics_fn``, or None for no metrics.
       requested: The requested accumulation dtype, or None for the default.
+      reading: For the statistics method, the call's reading of ``transform_fn`` and
+        ``metrics_fn`` (``_statistics.read``); else None.
     """
 
     example: Examples
     clipping: _clipping.Clipping | None
     metrics: Callable[[PyTree], PyTree] | None
     requested: Any
+    reading: _statistics.Reading | None = None
 
     @property
     def norms_only(self) -> bool:
@@ -393,6 +396,14 @@ def leaf_paths(example: Examples, args: tuple[Any, ...]) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
 
 
+def gradient_shapes(example: Examples, args: tuple[Any, ...]) -> PyTree:
+    """One example's gradient as ``jax.ShapeDtypeStruct`` leaves, shaped as ``jax.grad``
+    gives it."""
+    split = split_call(example, args, {})
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in split.params]
+    return split.gradient(example, shapes)
+
+
 def read_program(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ghost.Program | str:
     """The traced program of one example's loss, or why the ghost norms cannot read it."""
     return _analyse(split_call(sums.example, args, kwargs), sums.requested)
@@ -436,6 +447,54 @@ def ghost(
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
     measured = _clipping.row_norms(norms, rows) if sums.norms_only else None
     return _kept(grads, Aux(seen.outs[0], measured, aux), given)
+
+
+def statistics(
+    sums: Sums, given: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[PyTree, Aux] | str:
+    """The (weighted) sums of ``transform_fn`` of the clipped gradients, and the
+    per-example values, aux and metrics, by the forms of ``sums.reading``
+    (``_statistics``), without forming the per-example gradients of the model; or why
+    the ghost engine cannot read this loss."""
+    example, clipping, reading = sums.example, sums.clipping, sums.reading
+    if reading is None:
+        raise ValueError("micro_grad's statistics method needs the call's reading.")
+    split = split_call(example, args, kwargs)
+    program = _analyse(split, sums.requested)
+    if isinstance(program, str):
+        return program
+    params = split.params
+    seen = _ghost.record(program, params, split.data)
+    rows = jnp.shape(seen.outs[0])[0]
+    wide = jnp.promote_types(jnp.result_type(*params), jnp.float32)
+    norms = None
+    if clipping is not None or reading.norms:
+        norms = _ghost.leaf_norms(program, params, seen)
+    if clipping is not None and norms is not None:
+        groups, bounds = clipping.groups(split.gradient(example, params))
+        scale = clipping.factors(norms, groups, bounds)
+    else:
+        groups, scale = [0] * len(params), jnp.ones((rows, 1), wide)
+    if given is None:
+        weights, keep = jnp.ones((rows,), scale.dtype), jnp.ones((rows,), bool)
+    else:
+        weights, keep = given.astype(jnp.promote_types(given.dtype, scale.dtype)), given != 0
+    clean = given is not None or (clipping is not None and clipping.nan_safe)
+    each = _statistics.Rows(scale, groups, weights, keep, clean)
+
+    def tree(leaves: list[Any]) -> PyTree:
+        return split.gradient(example, leaves)
+
+    outs = _statistics.sums(reading, program, params, tree, seen, each, sums.requested)
+    structure = jax.tree.structure(jax.eval_shape(reading.transform, tree(params)))
+    if reading.metric_outputs:
+        measured = _statistics.metric_values(reading, program, params, tree, seen)
+    elif reading.norms and norms is not None:
+        measured = _clipping.row_norms(norms, rows)
+    else:
+        measured = None
+    aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
+    return _kept(jax.tree.unflatten(structure, outs), Aux(seen.outs[0], measured, aux), given)
 
 
 def by_shard(

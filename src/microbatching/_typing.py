@@ -24,7 +24,7 @@ InAxes: TypeAlias = int | np.integer | Sequence[AxisSpec]
 Count: TypeAlias = int | np.integer | jax.Array | None
 """A static or traced number of microbatches."""
 
-ClipMethod: TypeAlias = Literal["auto", "ghost", "two_pass", "chunked", "materialize"]
+ClipMethod: TypeAlias = Literal["auto", "ghost", "two_pass", "chunked", "materialize", "statistics"]
 """``micro_grad``'s ``clip_method``."""
 GatherParams: TypeAlias = Literal["once", "per_microbatch"]
 """``micro_grad``'s ``gather_params``, in the order ``plan`` prefers them (fewer

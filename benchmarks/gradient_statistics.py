@@ -1,0 +1,212 @@
+"""Per-example gradient statistics: ``transform_fn`` read off its traced program against
+forming every per-example gradient.
+
+On the MLP 784-512-512-10 (ReLU, biases; batch 1024, microbatch 64), each way computes
+the mean over the batch of a function of each example's gradient, ``(g, g**2)`` (the
+first two moments: the API reference's own example) and ``jnp.sign`` (per-example
+signSGD), and the per-example dot product ``<g_b, V>`` with a fixed direction as
+``metrics_fn``: by ``micro_grad`` (the ``statistics`` method that ``clip_method='auto'``
+picks, and the forced per-example path ``clip_method='materialize'``), by optax 0.2.8's
+``micro_grad`` with the same ``transform_fn`` where optax is installed, and by
+``jax.vmap(jax.grad(loss))`` over the whole batch followed by the function and the mean.
+The baseline is ``micro_grad(loss, MEAN)`` (no statistics: one gradient of the summed
+loss per microbatch). Times come from interleaved repetitions in one process (medians of
+per-repetition ratios, with quartiles), as in ``clipping.py``; a way whose first call
+takes over ``LIMIT_S`` seconds is not timed. Every result is checked against
+``vmap(grad)``.
+
+Usage: ``python benchmarks/gradient_statistics.py [--quick] [--reps N] [--output PATH]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from accumulation import Fn, loss, mlp, ms, ratio, report  # benchmarks/ is on sys.path
+from clipping import OPTAX, Warm, interleaved, optax_mb, relative_error, warm_up
+
+import microbatching as mb
+
+RESULTS = Path(__file__).resolve().parent / "STATISTICS.md"
+LIMIT_S = 3.0  # a way whose first call takes longer is not timed
+MEAN = mb.AccumulationType.MEAN
+PLAIN, VMAP = "plain `micro_grad(MEAN)`", "`vmap(grad)`"
+
+
+def moments(g: Any) -> Any:
+    """The API reference's example: the gradient and its square."""
+    return g, jax.tree.map(lambda x: x**2, g)
+
+
+def sign(g: Any) -> Any:
+    """Per-example signSGD."""
+    return jax.tree.map(jnp.sign, g)
+
+
+def direction(params: Any) -> Any:
+    """A fixed gradient-shaped direction (a reference gradient, say)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    return jax.tree.unflatten(
+        tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    )
+
+
+def first(fn: Fn) -> Fn:
+    """Only the accumulated result of a ``micro_grad`` function."""
+    return lambda *args: fn(*args)[0]
+
+
+def with_metrics(fn: Fn) -> Fn:
+    """The summed gradient and the per-example metrics of a ``micro_grad`` function."""
+
+    def both(*args: Any) -> Any:
+        grads, aux = fn(*args)
+        return grads, aux.metrics
+
+    return both
+
+
+def vmap_then(transform: Callable[[Any], Any], v: Any = None) -> Fn:
+    """``vmap(grad)`` over the whole batch, then ``transform`` and the mean (or, with a
+    direction ``v``, each example's dot product with it)."""
+
+    def one(params: Any, x: jax.Array, y: jax.Array) -> Any:
+        return jax.grad(loss)(params, x[None], y[None])
+
+    def whole(params: Any, x: jax.Array, y: jax.Array) -> Any:
+        grads = jax.vmap(one, in_axes=(None, 0, 0))(params, x, y)
+        if v is not None:
+            summed = jax.tree.map(lambda t: jnp.sum(t, axis=0), grads)
+            return summed, jax.vmap(lambda g: dot(g, v))(grads)
+        return jax.tree.map(lambda t: jnp.mean(t, axis=0), jax.vmap(transform)(grads))
+
+    return whole
+
+
+def dot(g: Any, v: Any) -> jax.Array:
+    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True))
+
+
+def ways(name: str, size: int, params: Any) -> dict[str, Fn]:
+    """Every way of one statistic, the baseline first."""
+    options: dict[str, Any] = {"batch_argnums": (1, 2), "microbatch_size": size}
+    out: dict[str, Fn] = {PLAIN: first(mb.micro_grad(loss, accumulator=MEAN, **options))}
+    if name == "metrics":
+        v = direction(params)
+        metric = lambda g: dot(g, v)  # noqa: E731
+        for method in ("auto", "materialize"):
+            fn = mb.micro_grad(loss, metrics_fn=metric, clip_method=method, **options)
+            out[f"`micro_grad` {method}"] = with_metrics(fn)
+        out[VMAP] = vmap_then(lambda g: g, v)
+        return out
+    transform = moments if name == "moments" else sign
+    for method in ("auto", "materialize"):
+        fn = mb.micro_grad(
+            loss, accumulator=MEAN, transform_fn=transform, clip_method=method, **options
+        )
+        out[f"`micro_grad` {method}"] = first(fn)
+    if optax_mb is not None and OPTAX is not None:
+        kind = optax_mb.AccumulationType.MEAN
+        fn = optax_mb.micro_grad(loss, accumulator=kind, transform_fn=transform, **options)
+        out[OPTAX] = first(fn)
+    out[VMAP] = vmap_then(transform)
+    return out
+
+
+TITLES = {
+    "moments": "`transform_fn=lambda g: (g, g**2)`, MEAN",
+    "sign": "`transform_fn=jnp.sign` (per example, over every leaf), MEAN",
+    "metrics": "`metrics_fn=lambda g: <g, V>` for a fixed direction `V`, SUM",
+}
+
+
+def table(name: str, examples: int, size: int, reps: int) -> str:
+    start = time.perf_counter()
+    params = mlp([784, 512, 512, 10])
+    k1, k2 = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(k1, (examples, 784))
+    y = jax.random.randint(k2, (examples,), 0, 10)
+    args = (params, x, y)
+    fns = ways(name, size, params)
+    report_of = mb.clipping_report(
+        mb.micro_grad(
+            loss,
+            batch_argnums=(1, 2),
+            microbatch_size=size,
+            accumulator=MEAN,
+            **(
+                {"metrics_fn": lambda g: dot(g, direction(params))}
+                if name == "metrics"
+                else {"transform_fn": moments if name == "moments" else sign}
+            ),
+        ),
+        *args,
+    )
+    print(f"{TITLES[name]}: clipping_report\n{report_of}\n", flush=True)
+    warm: dict[str, Warm] = {n: warm_up(fn, args) for n, fn in fns.items()}
+    errors = [
+        (relative_error(warm[n].output, warm[VMAP].output), n)
+        for n in warm
+        if n not in (PLAIN, VMAP)
+    ]
+    timed = {n: w.compiled for n, w in warm.items() if w.first_s <= LIMIT_S or n == PLAIN}
+    seconds = interleaved(timed, args, reps)
+    rows = []
+    for n, w in warm.items():
+        if n in timed:
+            cells = f"{ms(seconds[n])} | {ratio(seconds[n], seconds[PLAIN])}"
+        else:
+            cells = f"skipped: over {LIMIT_S:.0f} s per call ({w.first_s:.1f} s) | "
+        rows.append(f"| {n} | {w.temp_mib:.1f} | {cells} |")
+    worst, where = max(errors)
+    return "\n".join(
+        [
+            f"**{TITLES[name]}**; MLP 784-512-512-10, batch {examples}, microbatch {size}, "
+            f"float32, {reps} repetitions. `clipping_report` of `micro_grad` auto: method "
+            f"`{report_of.method}` ({report_of.reason}).",
+            "",
+            "| way | temp MiB | median ms | time / plain [quartiles] |",
+            "|---|---:|---:|---:|",
+            *rows,
+            "",
+            f"Largest relative difference from `vmap(grad)`: {worst:.1e} ({where}). "
+            f"{time.perf_counter() - start:.0f} s for this table.",
+        ]
+    )
+
+
+def preamble(quick: bool) -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    optax_note = "" if OPTAX else " optax is not importable: its rows are left out."
+    return (
+        f"{os.cpu_count()} CPUs, load average {load} at the start. `micro_grad` auto reads "
+        "`transform_fn` (or `metrics_fn`) off its traced program and computes each output "
+        "leaf from the layers' activations and output cotangents (the `statistics` "
+        "method); `micro_grad` materialize forces the per-example gradients "
+        "(`clip_method='materialize'`); `vmap(grad)` forms every per-example gradient of "
+        "the whole batch at once. A way whose first call takes over "
+        f"{LIMIT_S:.0f} s is not timed.{optax_note}" + (" Quick run: batch 256." if quick else "")
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
+        examples = 256 if quick else 1024
+        out: list[Callable[[], str]] = [lambda: preamble(quick)]
+        for name in TITLES:
+            out.append(lambda name=name: table(name, examples, 64, reps))
+        return out
+
+    report(argv, "gradient_statistics.py", "Per-example gradient statistics", RESULTS, parts)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,576 @@
+"""Per-example gradient statistics by the statistics method: ``transform_fn`` and
+``metrics_fn`` read off their traced programs and computed from the layers' activations
+and output cotangents, against ``jax.vmap(jax.grad(loss))`` followed by the user's
+function and the sum or mean."""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import microbatching
+from microbatching import AccumulationType, micro_grad
+from microbatching._statistics import Monomial, _read_values
+
+from .strategies import assert_close
+from .test_ghost import (
+    MICROBATCH,
+    Model,
+    attention,
+    conv,
+    embedding,
+    mlp,
+    norms,
+    per_example_grads,
+    scan,
+    tied_embedding,
+)
+
+MEAN, SUM = AccumulationType.MEAN, AccumulationType.SUM
+
+
+def tree(fn: Any) -> Any:
+    return lambda g: jax.tree.map(fn, g)
+
+
+def many(g: Any) -> Any:
+    """One transform with an output leaf of every form: the gradient (linear), its
+    square, a constant multiple of ``x |x|`` and ``sign`` (factorised where the site
+    allows), a sum of such terms and ``tanh`` (direct), a cumulative sum (linear) and a
+    constant."""
+    return (
+        g,
+        tree(jnp.square)(g),
+        tree(lambda x: -0.5 * x * jnp.abs(x))(g),
+        tree(jnp.sign)(g),
+        tree(lambda x: x**2 + jnp.abs(x))(g),
+        tree(jnp.tanh)(g),
+        tree(jnp.cumsum)(g),
+        jnp.float32(3.0),
+    )
+
+
+MODELS = {
+    "mlp": mlp,
+    "conv": conv,
+    "embedding": lambda: embedding(5),
+    "tied embedding": tied_embedding,
+    "attention": attention,
+    "scan": scan,
+}
+
+
+def grad_fn(model: Model, transform: Any, **options: Any) -> Any:
+    """``micro_grad`` of ``model`` with ``transform``, the statistics method forced unless
+    ``clip_method`` says otherwise (``auto`` may find the per-example path cheaper on
+    these small models)."""
+    options = {
+        "microbatch_size": MICROBATCH, "accumulator": MEAN, "clip_method": "statistics",
+        **options,
+    }  # fmt: skip
+    return micro_grad(
+        model.loss,
+        batch_argnums=tuple(range(1, 1 + len(model.batch))),
+        keep_batch_dim=model.keep_batch_dim,
+        transform_fn=transform,
+        **options,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("transform", "mean"))
+def reference(
+    grads: Any, transform: Any, clip: Any = None, weights: Any = None, mean: bool = True
+) -> Any:
+    """``sum_b w_b f(c_b g_b)`` (divided by ``sum_b w_b`` for the mean) from per-example
+    gradients stacked on axis 0, with ``c_b = min(1, clip / ||g_b||)``."""
+    rows = jax.tree.leaves(grads)[0].shape[0]
+    if clip is not None:
+        c = jnp.minimum(1.0, clip / norms(grads))
+        grads = jax.tree.map(lambda g: g * c.reshape((rows,) + (1,) * (g.ndim - 1)), grads)
+    outs = jax.vmap(transform)(grads)
+    w = jnp.ones(rows) if weights is None else weights.astype(jnp.float32)
+
+    def total(t: jax.Array) -> jax.Array:
+        shape = (rows,) + (1,) * (t.ndim - 1)
+        terms = jnp.where(jnp.reshape(w != 0, shape), t * jnp.reshape(w, shape), 0)
+        return jnp.sum(terms, axis=0) / (jnp.sum(w) if mean else 1)
+
+    return jax.tree.map(total, outs)
+
+
+def forms(report: Any) -> dict[str, str]:
+    return {s.path: s.form for s in report.statistics}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request: Any) -> Model:
+    return MODELS[request.param]()
+
+
+# --- 1. every form on every model family --------------------------------------------------
+
+
+def test_every_form_against_vmap_grad(model):
+    fn = grad_fn(model, many)
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "statistics", report
+    got, aux = jax.jit(fn)(model.params, *model.batch)
+    assert_close(got, reference(per_example_grads(model), many), terms=2, factor=4)
+    values = jax.vmap(lambda *e: model.loss(model.params, *e))(
+        *(jax.tree.map(lambda a: a[:, None], model.batch) if model.keep_batch_dim else model.batch)
+    )
+    assert_close(aux.values, values)
+    found = forms(report)
+    assert found["transform_fn[7]"] == "constant"
+    assert all(found[f"transform_fn[0]{p}"] == "linear" for p in model.rules or {})
+    for path, rule in (model.rules or {}).items():
+        square, sign = found[f"transform_fn[1]{path}"], found[f"transform_fn[3]{path}"]
+        assert found[f"transform_fn[6]{path}"] == "linear"  # cumsum
+        assert found[f"transform_fn[4]{path}"] == "direct"  # a sum of terms
+        assert found[f"transform_fn[5]{path}"] == "direct"  # tanh
+        leaf = next(leaf for leaf in report.leaves if leaf.path == path)
+        one_row = rule == "dense" and leaf.form == "rows"
+        assert (square, sign) == (("factorised",) * 2 if one_row else ("direct",) * 2), path
+
+
+def test_mlp_kernels_take_the_factorised_form_jitted_or_not():
+    model = mlp()
+    fn = grad_fn(model, MOMENTS)
+    found = forms(microbatching.clipping_report(grad_fn(model, many), model.params, *model.batch))
+    want = reference(per_example_grads(model), MOMENTS)
+    assert_close(fn(model.params, *model.batch)[0], want, terms=2, factor=4)  # eagerly
+    assert found["transform_fn[1]['dense1']['kernel']"] == "factorised"
+    assert found["transform_fn[2]['dense2']['kernel']"] == "factorised"
+    assert found["transform_fn[1]['dense1']['bias']"] == "direct"
+
+
+# --- 2. clipping, weights, remainders, SUM ------------------------------------------------
+
+MOMENTS = lambda g: (g, tree(lambda x: x**2)(g), tree(jnp.sign)(g))  # noqa: E731
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "tied embedding"])
+@pytest.mark.parametrize("kind", ["clip", "weights", "remainder", "sum"])
+def test_clipping_weights_and_remainders(name, kind):
+    model = MODELS[name]()
+    grads = per_example_grads(model)
+    rows = jax.tree.leaves(grads)[0].shape[0]
+    options: dict[str, Any] = {}
+    call: dict[str, Any] = {}
+    clip, weights, mean = None, None, True
+    if kind == "clip":
+        clip = float(np.median(np.asarray(norms(grads))))
+        options["l2_clip_norm"] = clip
+    elif kind == "weights":
+        weights = jnp.asarray(
+            np.random.default_rng(0).uniform(0.5, 2, rows) * (np.arange(rows) % 3 != 1)
+        )
+        weights = weights.astype(jnp.float32)
+        call["example_weights"] = weights
+    elif kind == "remainder":
+        model = dataclasses.replace(model, batch=tuple(b[: rows - 1] for b in model.batch))
+        grads = jax.tree.map(lambda g: g[: rows - 1], grads)
+        options["allow_remainder"] = True
+    else:
+        options["accumulator"], mean = SUM, False
+    fn = grad_fn(model, MOMENTS, **options)
+    assert microbatching.clipping_report(fn, model.params, *model.batch, **call).method == (
+        "statistics"
+    )
+    got, _ = jax.jit(fn)(model.params, *model.batch, **call)
+    want = reference(grads, MOMENTS, clip, weights, mean)
+    assert_close(got, want, terms=2, factor=4)
+    if name == "mlp":  # today's answer, the same
+        forced, _ = jax.jit(grad_fn(model, MOMENTS, clip_method="materialize", **options))(
+            model.params, *model.batch, **call
+        )
+        assert_close(got, forced, terms=2, factor=4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"l2_clip_norm": {"dense1": 1.0, "dense2": 0.5}},
+        {"l2_clip_norm": 1.0, "rescale_to_unit_norm": True, "normalize_by": 4.0},
+    ],
+    ids=["per-layer bounds", "unit norm"],
+)
+def test_clipping_options_as_the_per_example_path(options):
+    model = mlp()
+    fn = grad_fn(model, MOMENTS, **options)
+    assert microbatching.clipping_report(fn, model.params, *model.batch).method == "statistics"
+    got, _ = jax.jit(fn)(model.params, *model.batch)
+    forced = grad_fn(model, MOMENTS, clip_method="materialize", **options)
+    assert_close(got, jax.jit(forced)(model.params, *model.batch)[0], terms=2, factor=4)
+
+
+def test_a_microbatch_of_weight_zero_rows_with_nan_data():
+    model = mlp()
+    x, y = model.batch
+    x = x.at[:4].set(jnp.nan)
+    weights = jnp.arange(8) >= 4
+    fn = grad_fn(model, MOMENTS, l2_clip_norm=2.0)
+    got, aux = jax.jit(fn)(model.params, x, y, example_weights=weights)
+    grads = per_example_grads(dataclasses.replace(model, batch=(x[4:], y[4:])))
+    assert_close(got, reference(grads, MOMENTS, 2.0), terms=2, factor=4)
+    assert not np.any(np.isnan(np.asarray(aux.values)))
+
+
+def test_nan_safe_leaves_out_an_example_whose_gradient_is_not_finite():
+    model = mlp()
+    x, y = model.batch
+    x = x.at[2].set(jnp.inf)
+    options = dict(l2_clip_norm=2.0, nan_safe=True)
+    got, _ = jax.jit(grad_fn(model, MOMENTS, **options))(model.params, x, y)
+    want, _ = jax.jit(grad_fn(model, MOMENTS, clip_method="materialize", **options))(
+        model.params, x, y
+    )
+    assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(got))
+    assert_close(got, want, terms=2, factor=4)
+
+
+@pytest.mark.x64
+def test_float64():
+    dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+    model = mlp()
+    model = dataclasses.replace(
+        model,
+        params=jax.tree.map(lambda p: p.astype(dtype), model.params),
+        batch=jax.tree.map(lambda b: b.astype(dtype), model.batch),
+    )
+    grads = per_example_grads(model)
+    clip = float(np.median(np.asarray(norms(grads))))
+    got, _ = jax.jit(grad_fn(model, many, l2_clip_norm=clip))(model.params, *model.batch)
+    assert all(leaf.dtype == dtype for leaf in jax.tree.leaves(got)[:-1])
+    assert_close(got, reference(grads, many, clip), terms=2, factor=4)
+
+
+# --- 3. what is not read keeps the per-example path ------------------------------------
+
+
+def global_scale(g: Any) -> Any:
+    """Mixes the leaves: each scaled by the whole gradient's norm."""
+    total = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
+    return jax.tree.map(lambda x: x / (1 + total), g)
+
+
+@pytest.mark.parametrize(
+    ("transform", "why"),
+    [
+        (tree(jnp.cumprod), "neither elementwise nor linear"),
+        (tree(jnp.sort), "neither elementwise nor linear"),
+        (global_scale, "mixes gradient leaves"),
+        (tree(lambda x: (x > 0).astype(jnp.int32)), "not a float"),
+    ],
+    ids=["cumprod", "sort", "mixing leaves", "integer output"],
+)
+def test_an_unread_transform_takes_the_per_example_path(transform, why):
+    model = mlp()
+    fn = grad_fn(model, transform, clip_method="auto")
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "materialize"
+    assert why in report.reason
+    assert report.statistics == ()
+    got, _ = jax.jit(fn)(model.params, *model.batch)
+    assert_close(got, reference(per_example_grads(model), transform), terms=2)
+
+
+def test_materialize_can_be_forced():
+    model = mlp()
+    fn = grad_fn(model, MOMENTS, clip_method="materialize")
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert (report.method, report.reason) == ("materialize", "asked for")
+
+
+def test_a_custom_accumulator_or_max_takes_the_per_example_path():
+    model = mlp()
+    report = microbatching.clipping_report(
+        grad_fn(model, MOMENTS, accumulator=AccumulationType.MAX, clip_method="auto"),
+        model.params,
+        *model.batch,
+    )
+    assert report.method == "materialize"
+
+
+# --- 4. linear metrics ------------------------------------------------------------------
+
+
+def directions(model: Model, count: int) -> list[Any]:
+    rng = np.random.default_rng(7)
+    return [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), model.params)
+        for _ in range(count)
+    ]
+
+
+def dot(g: Any, v: Any) -> Any:
+    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True))
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv", "embedding", "tied embedding", "scan"])
+def test_linear_metrics_against_vmap_grad(name):
+    model = MODELS[name]()
+    v, u, w = directions(model, 3)
+
+    def metrics(g: Any) -> Any:
+        return {"alignment": dot(g, v), "sketch": jnp.stack([dot(g, u), 2 * dot(g, w)])}
+
+    grads = per_example_grads(model)
+    clip = float(np.median(np.asarray(norms(grads))))
+    fn = grad_fn(
+        model,
+        microbatching._per_example.identity,
+        metrics_fn=metrics,
+        l2_clip_norm=clip,
+        accumulator=SUM,
+    )
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "statistics"
+    found = forms(report)
+    assert found["metrics_fn['alignment']"] == found["metrics_fn['sketch']"] == "linear"
+    got, aux = jax.jit(fn)(model.params, *model.batch)
+    assert_close(aux.metrics, jax.vmap(metrics)(grads), factor=4)  # before clipping
+    assert_close(got, reference(grads, lambda g: g, clip, mean=False), terms=2)
+
+
+def test_a_metric_that_is_not_linear_forms_the_gradients():
+    model = mlp()
+    fn = grad_fn(model, MOMENTS, metrics_fn=tree(jnp.linalg.norm), clip_method="auto")
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "materialize"
+    assert "metrics_fn's output" in report.reason and "not linear" in report.reason
+
+
+def test_norm_metrics_with_a_transform():
+    model = mlp()
+    fn = grad_fn(model, MOMENTS, metrics_fn=microbatching.l2_norm)
+    assert microbatching.clipping_report(fn, model.params, *model.batch).method == "statistics"
+    got, aux = jax.jit(fn)(model.params, *model.batch)
+    grads = per_example_grads(model)
+    assert_close(aux.metrics, norms(grads))
+    assert_close(got, reference(grads, MOMENTS), terms=2, factor=4)
+
+
+# --- 5. no per-example gradients in memory ----------------------------------------------
+
+
+def test_the_statistics_form_no_per_example_gradients():
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=s) / 16, jnp.float32) for s in [(256, 256), (256, 10)]]
+    x = jnp.asarray(rng.normal(size=(64, 256)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(64, 10)), jnp.float32)
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p[0]) @ p[1] - y) ** 2)
+
+    def temp(method: Any) -> int:
+        fn = micro_grad(
+            loss, batch_argnums=(1, 2), microbatch_size=32, accumulator=MEAN,
+            transform_fn=MOMENTS, clip_method=method,
+        )  # fmt: skip
+        compiled = jax.jit(lambda *a: fn(*a)[0]).lower(params, x, y).compile()
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    per_example = 32 * (256 * 256 + 256 * 10) * 4  # one microbatch of per-example gradients
+    statistics, materialize = temp("auto"), temp("materialize")
+    assert materialize > per_example
+    assert statistics < per_example / 4, (statistics, materialize)
+
+
+# --- 6. the reading: forms of functions nobody here wrote --------------------------------
+
+SHAPES = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)}
+MASK = np.array([[1.0, 0.0], [2.0, 1.0], [0.5, 0.0]], np.float32)
+
+
+def read_one(fn: Any) -> Any:
+    (value,) = _read_values(lambda g: fn(g["w"]), SHAPES)[0]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("fn", "monomial", "coefficient"),
+    [
+        (lambda x: x**2, Monomial(2), 1.0),
+        (jnp.square, Monomial(2), 1.0),
+        (lambda x: x * x * x, Monomial(3), 1.0),
+        (lambda x: -3 * x**2 / 2, Monomial(2), -1.5),
+        (jnp.sign, Monomial(0, 0.0, 1), 1.0),
+        (jnp.abs, Monomial(0, 1.0, 0), 1.0),
+        (lambda x: jnp.sqrt(x**2), Monomial(0, 1.0, 0), 1.0),
+        (lambda x: jnp.abs(x) ** 1.5, Monomial(0, 1.5, 0), 1.0),
+        (lambda x: x**2.0, Monomial(2), 1.0),
+        (lambda x: jnp.sign(-2 * x), Monomial(0, 0.0, 1), -1.0),
+        (lambda x: MASK * x**2, Monomial(2), None),
+    ],
+)
+def test_multiplicative_functions_are_read(fn, monomial, coefficient):
+    value = read_one(fn)
+    assert value.elementwise and value.monomial == monomial and value.coefficient == coefficient
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jnp.sqrt,  # of a value that may be negative
+        lambda x: (x - 1.0) ** 2,
+        lambda x: x**2 + x**4,
+        lambda x: 1 / x,
+        lambda x: x**-2,
+        lambda x: jnp.where(x > 0, x, 0),
+        jnp.exp,
+        lambda x: (-x) ** 0.5,
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) ** 2,
+    ],
+)
+def test_other_elementwise_functions_are_read_without_a_product(fn):
+    value = read_one(fn)
+    assert value.elementwise and value.monomial is None
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: 2 * x,
+        lambda x: MASK * x - x / 4,
+        lambda x: jnp.cumsum(x, axis=0),
+        lambda x: x.T @ MASK,
+        lambda x: jnp.vdot(x, MASK),
+        lambda x: jnp.sum(x[1:], axis=0),
+        lambda x: jnp.pad(x, 1),
+    ],
+)
+def test_linear_functions_are_read(fn):
+    assert read_one(fn).linear
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda x: x + 1, lambda x: x * x, lambda x: jnp.pad(x, 1, constant_values=1.0)]
+)
+def test_affine_and_quadratic_functions_are_not_linear(fn):
+    assert not read_one(fn).linear
+
+
+MONOMIAL_OPS = {
+    "square": (jnp.square, lambda m: m.power(2)),
+    "abs": (jnp.abs, lambda m: m.absolute()),
+    "sign": (jnp.sign, lambda m: m.signum()),
+    "cube": (lambda x: x**3, lambda m: m.power(3)),
+    "times x": (None, None),
+}
+
+
+@settings(max_examples=25)
+@given(
+    st.lists(st.sampled_from(sorted(MONOMIAL_OPS)), min_size=1, max_size=4), st.integers(0, 2**16)
+)
+def test_a_read_monomial_is_the_function_and_multiplicative(ops, seed):
+    def fn(x: jax.Array) -> jax.Array:
+        y = x
+        for op in ops:
+            y = y * x if op == "times x" else MONOMIAL_OPS[op][0](y)
+        return y
+
+    value = read_one(fn)
+    m = value.monomial
+    assert m is not None and value.coefficient == 1.0
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(3, 2)) * 1.5, jnp.float32).at[0, 0].set(0.0)
+    y = jnp.asarray(rng.normal(size=(3, 2)) * 1.5, jnp.float32)
+    assert_close(m(x), fn(x), factor=4)
+    assert_close(m(x * y), m(x) * m(y), factor=8)
+    assert float(m(jnp.ones(()))) == 1.0
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [global_scale, lambda g: {"w": g["w"] * jnp.sum(g["w"])}],
+)
+def test_functions_of_more_than_the_entry_are_not_read(fn):
+    (value,) = _read_values(fn, SHAPES)[0]
+    assert not value.elementwise and not value.linear
+
+
+def test_report_names_each_output_leaf():
+    model = mlp()
+    report = microbatching.clipping_report(grad_fn(model, MOMENTS), model.params, *model.batch)
+    text = str(report)
+    assert "transform_fn[1]['dense1']['kernel']" in text and "factorised" in text
+    assert math.isclose(sum(report.coverage().values()), 1.0)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_batch_split_over_a_mesh_takes_the_per_example_path(axis_type):
+    model = mlp()
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,), devices=jax.devices()[:4])
+    options: dict[str, Any] = {"clip_method": "auto"}
+    if axis_type == "Auto":
+        options["batch_mesh_axes"] = "data"
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, P("data")))
+        fn = grad_fn(model, MOMENTS, **options)
+        report = microbatching.clipping_report(fn, model.params, *batch)
+        got, _ = jax.jit(fn)(model.params, *batch)
+    assert report.method == "materialize" and "split over a mesh" in report.reason
+    assert_close(got, reference(per_example_grads(model), MOMENTS), terms=2, factor=4)
+
+
+def test_a_transform_closing_over_traced_values():
+    model = mlp()
+    grads = per_example_grads(model)
+    (v,) = directions(model, 1)
+
+    @jax.jit
+    def step(params: Any, scale: jax.Array, v: Any) -> Any:
+        fn = grad_fn(model, tree(lambda x: scale * x**2), metrics_fn=lambda g: dot(g, v))
+        return fn(params, *model.batch)
+
+    got, aux = step(model.params, jnp.float32(0.5), v)
+    assert_close(got, reference(grads, tree(lambda x: 0.5 * x**2)), terms=2, factor=4)
+    assert_close(aux.metrics, jax.vmap(lambda g: dot(g, v))(grads), factor=4)
+
+
+def test_auto_takes_the_cheaper_of_the_two():
+    model = mlp()
+    report = microbatching.clipping_report(
+        grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
+    )
+    assert report.method == "statistics" and "flops per example against" in report.reason
+    model = attention()  # every leaf's sites hold 5 rows: each moment is read directly
+    report = microbatching.clipping_report(
+        grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
+    )
+    assert report.method == "materialize"
+    assert "forming the per-example gradients costs less" in report.reason
+
+
+def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='statistics', which sums the transformed gradients .* use SUM "
+        r"or MEAN, or clip_method='auto'",
+    ):
+        grad_fn(mlp(), MOMENTS, accumulator=AccumulationType.MAX)
+
+
+def test_statistics_asked_for_a_transform_it_cannot_read():
+    model = mlp()
+    fn = grad_fn(model, tree(jnp.sort))
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='statistics', but it cannot compute this call without the "
+        r"per-example gradients: transform_fn's output \['dense1'\]\['bias'\] is not "
+        r"read: .*Pass clip_method='auto'",
+    ):
+        fn(model.params, *model.batch)
