@@ -92,7 +92,8 @@ def vmap_then(transform: Callable[[Any], Any], v: Any = None) -> Fn:
 
 
 def dot(g: Any, v: Any) -> jax.Array:
-    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True))
+    pairs = zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True)
+    return jnp.sum(jnp.stack([jnp.vdot(a, b) for a, b in pairs]))
 
 
 def ways(name: str, size: int, params: Any) -> dict[str, Fn]:
@@ -136,18 +137,24 @@ def table(name: str, examples: int, size: int, reps: int) -> str:
     y = jax.random.randint(k2, (examples,), 0, 10)
     args = (params, x, y)
     fns = ways(name, size, params)
-    report_of = mb.clipping_report(
-        mb.micro_grad(
+    if name == "metrics":
+        reported = mb.micro_grad(
             loss,
             batch_argnums=(1, 2),
             microbatch_size=size,
             accumulator=MEAN,
-            **(
-                {"metrics_fn": lambda g: dot(g, direction(params))}
-                if name == "metrics"
-                else {"transform_fn": moments if name == "moments" else sign}
-            ),
-        ),
+            metrics_fn=lambda g: dot(g, direction(params)),
+        )
+    else:
+        reported = mb.micro_grad(
+            loss,
+            batch_argnums=(1, 2),
+            microbatch_size=size,
+            accumulator=MEAN,
+            transform_fn=moments if name == "moments" else sign,
+        )
+    report_of = mb.clipping_report(
+        reported,
         *args,
     )
     print(f"{TITLES[name]}: clipping_report\n{report_of}\n", flush=True)

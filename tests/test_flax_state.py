@@ -250,6 +250,22 @@ def test_a_loss_whose_rows_stay_apart_does_not_warn(name):
     assert jnp.all(jnp.isfinite(got))
 
 
+def test_batch_statistics_that_reach_only_aux_do_not_warn():
+    """Found by a breaker: the spread of the rows' losses in aux, and a centred batch that
+    nothing reads, warned. The gradient sees neither: only what the loss reads counts."""
+
+    def logged(p, x, y):
+        losses = jnp.sum(_squares(p, x, y), -1)
+        unused = x - x.mean(0, keepdims=True)
+        return jnp.mean(losses), {"std": jnp.std(losses), "unused": unused.shape}
+
+    got, aux = micro_grad(logged, has_aux=True, batch_argnums=(1, 2), microbatch_size=4)(*MIX_ARGS)
+    p, x, y = MIX_ARGS
+    want = sum(jax.grad(lambda *a: logged(*a)[0])(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
+    assert_close(got, want, terms=8)
+    assert_close(aux.aux["std"], jnp.zeros(8))  # the spread of one row's loss
+
+
 def test_without_keep_batch_dim_the_loss_is_not_probed():
     """With keep_batch_dim=False the loss sees one example without a batch axis: there
     are no rows to mix, and a reduction over axis 0 is one over the features."""

@@ -454,3 +454,35 @@ def test_a_row_far_below_the_largest_input_keeps_its_norm(small: float):
     v[:, 0] /= small
     got, want = _shared_norms(x, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("method", ["auto", "ghost", "two_pass", "materialize", "chunked"])
+@pytest.mark.parametrize(("x", "s", "bound"), [(1e100, 1e-160, 1e-70), (1e-100, 1e-100, 1e-210)])
+def test_float64_norms_beyond_float32_s_exponents(method, x, s, bound):
+    """Found by a breaker: the power-of-two scales were clamped to float32's exponents, so
+    float64 norms near 1e-59 or 1e-199 came out 1e-105 or 0, and the examples were not
+    clipped (a clipped sum 1.7e11 times its bound). The scales now span the dtype's own
+    exponents."""
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+
+    def loss(w, x, s):
+        return jnp.sum(x @ w) * s
+
+    w, xs, ss = jnp.ones((4, 3)), jnp.full((2, 5, 4), x), jnp.full((2,), s)
+    # Each example's gradient has every entry 5 x s: its norm is 5 x s sqrt(12).
+    want = 5 * x * s * np.sqrt(12.0)
+    grad_fn = micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        l2_clip_norm=bound,
+        metrics_fn=microbatching.l2_norm,
+        clip_method=method,
+    )
+    got, aux = grad_fn(w, xs, ss)
+    np.testing.assert_allclose(np.asarray(aux.metrics), [want, want], rtol=1e-12, atol=0)
+    # Both examples are clipped to the bound, and point the same way: the sum's norm is 2C.
+    total = float(np.sqrt(np.sum((np.asarray(got) / bound) ** 2))) * bound
+    np.testing.assert_allclose(total, 2 * bound, rtol=1e-12, atol=0)

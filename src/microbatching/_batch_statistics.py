@@ -112,8 +112,10 @@ class _Walk:
     statistics: set[Any]  # variables that depend on a batch statistic
     found: list[str]
 
-    def run(self, jaxpr: Jaxpr) -> None:
+    def run(self, jaxpr: Jaxpr, live: set[Any] | None = None) -> None:
         for eqn in jaxpr.eqns:
+            if live is not None and not any(o in live for o in eqn.outvars):
+                continue  # feeds only aux, or nothing: the gradient does not see it
             ins = [v for v in eqn.invars if not isinstance(v, Literal)]
             data = any(v in self.data for v in ins)
             stat = any(v in self.statistics for v in ins)
@@ -175,5 +177,14 @@ def mixes_rows(
     jaxpr = closed.jaxpr
     batch = jaxpr.invars[len(specs) :]
     walk = _Walk({v for v, e in zip(batch, expanded, strict=True) if e}, set(), [])
-    walk.run(jaxpr)
+    walk.run(jaxpr, _feeding(jaxpr, jaxpr.outvars[:1]))
     return walk.found[0] if walk.found else None
+
+
+def _feeding(jaxpr: Jaxpr, outputs: Sequence[Any]) -> set[Any]:
+    """The variables of ``jaxpr`` that ``outputs`` (the loss, not its aux) depend on."""
+    live = {v for v in outputs if not isinstance(v, Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in live for o in eqn.outvars):
+            live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return live

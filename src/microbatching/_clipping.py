@@ -86,10 +86,12 @@ def _scaled_norms(values: list[jax.Array], rows: int, dtype: Any) -> jax.Array:
     usable = (largest > 0) & jnp.isfinite(largest)
     e = exponent(jnp.where(usable, largest, 1))
     # One power, normal both ways: 2**-e is subnormal (flushed to 0 on the CPU) for e
-    # above 126. Clipped, the largest scaled magnitude is in [1/2, 8), or above 2**-24
-    # where it is subnormal: its square neither overflows nor vanishes. The barrier keeps XLA
+    # above 126 in float32 (1022 in float64). Clipped, the largest scaled magnitude is
+    # in [1/2, 8), or above 2**-24 where it is subnormal: its square neither overflows
+    # nor vanishes. The barrier keeps XLA
     # from folding the scale out of the squares, where they would overflow again.
-    k = jax.lax.optimization_barrier(jnp.clip(e, -125, 125))
+    bound = jnp.finfo(dtype).maxexp - 3  # 125 in float32, 1021 in float64
+    k = jax.lax.optimization_barrier(jnp.clip(e, -bound, bound))
     down = times_power(jnp.ones((rows,), dtype), -k)
     squares = sum(jnp.sum(jnp.square(v * _at_rows(down, v)), axis=_rest(v)) for v in values)
     norms = times_power(jnp.sqrt(squares), k)
@@ -113,8 +115,10 @@ def times_power(x: jax.Array, k: jax.Array) -> jax.Array:
     def power(j: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type((j + info.maxexp - 1) << info.nmant, x.dtype)
 
-    k = jnp.clip(k, -378, 378)  # three powers of at most 2**126: beyond, it under- or
-    third = k // 3  # overflows anyway
+    # Three powers of at most 2**(maxexp - 2) each (2**126 in float32, 2**1022 in
+    # float64): beyond, the result under- or overflows anyway.
+    k = jnp.clip(k, -3 * (info.maxexp - 2), 3 * (info.maxexp - 2))
+    third = k // 3
     half = (k - third) // 2
     return x * power(third) * power(half) * power(k - third - half)
 
