@@ -29,9 +29,9 @@ lint: $(STAMP)
 	@echo "== pyright: types of src, tests, benchmarks and examples (about 20 s)"
 	$(BIN)/pyright
 
-# About 11 minutes on 2 idle cores: lint, docs, the suite (10 min), the x64 tests.
+# About 10 minutes on 2 idle cores: lint, docs, the suite (8 min), the x64 tests.
 test: lint docs
-	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 10 min on 2 idle cores; [done/total] ends each line)"
+	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers (about 8 min on 2 idle cores; [done/total] ends each line)"
 	$(QUICK_CODEGEN) $(PYTEST)
 	$(MAKE) --no-print-directory test-x64
 
