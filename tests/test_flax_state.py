@@ -250,6 +250,24 @@ def test_a_loss_whose_rows_stay_apart_does_not_warn(name):
     assert jnp.all(jnp.isfinite(got))
 
 
+def test_a_mean_over_a_named_vmap_axis_warns():
+    """Found by a breaker: Equinox's BatchNorm takes its mean with a collective over the
+    axis that ``jax.vmap(..., axis_name=...)`` maps (a ``psum``), which the walk did not
+    count; here the same pattern in plain JAX."""
+
+    def loss(p, x, y):
+        def one(row):
+            return row - jax.lax.pmean(row, "batch")
+
+        return jnp.mean(_squares(p, jax.vmap(one, axis_name="batch")(x), y))
+
+    grad_fn = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=4)
+    with pytest.warns(BatchStatisticsWarning, match="statistic over the batch axis"):
+        got, _ = grad_fn(*MIX_ARGS)
+    p, x, y = MIX_ARGS
+    assert_close(got, sum(jax.grad(loss)(p, x[b : b + 1], y[b : b + 1]) for b in range(8)), terms=8)
+
+
 def test_batch_statistics_that_reach_only_aux_do_not_warn():
     """Found by a breaker: the spread of the rows' losses in aux, and a centred batch that
     nothing reads, warned. The gradient sees neither: only what the loss reads counts."""

@@ -44,6 +44,9 @@ REDUCTIONS = {
     "cummin",
     "cumlogsumexp",
     "sort",
+    "psum",  # a collective over a vmapped axis of positions (Equinox BatchNorm)
+    "pmax",
+    "pmin",
 }
 """Primitives that combine entries along the axes their parameters name."""
 
@@ -149,7 +152,8 @@ class _Walk:
         name = eqn.primitive.name
         if name in REDUCTIONS:
             shape = rows[0].aval.shape
-            return any(_rows(shape[a]) for a in _reduced_axes(eqn) if a < len(shape))
+            axes = [a for a in _reduced_axes(eqn) if isinstance(a, int) and a < len(shape)]
+            return any(_rows(shape[a]) for a in axes)
         if name == "dot_general":
             contract, _ = eqn.params["dimension_numbers"]
             for operand, axes in zip(eqn.invars, contract, strict=True):
