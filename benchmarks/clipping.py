@@ -188,21 +188,30 @@ def initializers(k: Iterator[jax.Array], width: int = WIDTH) -> tuple[Any, Any]:
     return linear, norm
 
 
+def transformer_params(
+    k: Iterator[jax.Array], tokens: int, width: int, hidden: int, *, tied: bool
+) -> dict[str, Any]:
+    """One pre-LN block's parameters: embedding, learned positions, attention, MLP, and an
+    output projection unless ``tied`` (the embedding table is then read back)."""
+    linear, norm = initializers(k, width)
+    params = {
+        "embed": jax.random.normal(next(k), (VOCAB, width)) * 0.02,
+        "positions": jax.random.normal(next(k), (tokens, width)) * 0.02,
+        "ln1": norm(),
+        "attention": {n: linear(width, width) for n in "qkvo"},
+        "ln2": norm(),
+        "up": linear(width, hidden),
+        "down": linear(hidden, width),
+        "ln3": norm(),
+    }
+    if not tied:
+        params["out"] = linear(width, VOCAB)
+    return params
+
+
 def block_workload(examples: int, tokens: int = 32) -> Workload:
     k = iter(jax.random.split(jax.random.key(4), 12))
-    linear, norm = initializers(k)
-
-    params = {
-        "embed": jax.random.normal(next(k), (VOCAB, WIDTH)) * 0.02,
-        "positions": jax.random.normal(next(k), (tokens, WIDTH)) * 0.02,
-        "ln1": norm(),
-        "attention": {n: linear(WIDTH, WIDTH) for n in "qkvo"},
-        "ln2": norm(),
-        "up": linear(WIDTH, HIDDEN),
-        "down": linear(HIDDEN, WIDTH),
-        "ln3": norm(),
-        "out": linear(WIDTH, VOCAB),
-    }
+    params = transformer_params(k, tokens, WIDTH, HIDDEN, tied=False)
     ids = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
     targets = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
     name = (
@@ -230,17 +239,7 @@ def tied_lm_loss(params: dict[str, Any], tokens: jax.Array, targets: jax.Array) 
 
 def tied_lm_workload(examples: int, tokens: int = 64) -> Workload:
     k = iter(jax.random.split(jax.random.key(7), 12))
-    linear, norm = initializers(k, LM_WIDTH)
-    params = {
-        "embed": jax.random.normal(next(k), (VOCAB, LM_WIDTH)) * 0.02,
-        "positions": jax.random.normal(next(k), (tokens, LM_WIDTH)) * 0.02,
-        "ln1": norm(),
-        "attention": {n: linear(LM_WIDTH, LM_WIDTH) for n in "qkvo"},
-        "ln2": norm(),
-        "up": linear(LM_WIDTH, LM_HIDDEN),
-        "down": linear(LM_HIDDEN, LM_WIDTH),
-        "ln3": norm(),
-    }
+    params = transformer_params(k, tokens, LM_WIDTH, LM_HIDDEN, tied=True)
     ids = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
     targets = jax.random.randint(next(k), (examples, tokens), 0, VOCAB)
     name = (

@@ -773,84 +773,113 @@ GRAM_TOLERANCE = {32: 1e-5, 64: 1e-12}
 float32), that a Gram form's norm must be within of its exact value: a norm whose error
 bound exceeds it is recomputed by the product form."""
 
-GRAM_ERROR_MARGIN = 8.0
-"""The factor of safety on the Gram form's error estimate ``u * E`` (see
-``_reliable``). The estimate models each rounded inner product as off by ``u`` times
-the product of its operands' norms, and the sum of the Gram terms as off by ``u`` times
-the sum of their magnitudes. The error measured against it (XLA:CPU; 2 to 512 rows of 4
-to 65536 entries: random, same-sign, repeated with cancelling cotangents, and rows of
-one dominant entry and many small ones) was at most 4.3 times it for rows of up to
-``GRAM_BLOCK`` entries, and 6.6 for longer ones, whose inner products are counted twice
-(``BLOCKED_ERROR``). ``tests/test_norm_numerics.py`` pins both. On random rows of 64
-tokens of width 128 the estimate is about 15 times the squared norm, so the Gram form
-is kept there."""
-
-BLOCKED_ERROR = 2.0
-"""How many times ``u ||a_t|| ||a_s||`` an inner product of more than ``GRAM_BLOCK``
-entries is counted as erring by: its blocks' errors, and their sum's."""
+GRAM_ERROR_MARGIN = 1.125
+"""The factor on the Gram form's error bound ``u * E`` (see ``_reliable``, ``_gram_sum``)
+for what the bound leaves out: ``E`` is computed from the rounded Gram matrices, not the
+exact ones, and in floating point itself; the products of two errors (``u^2``) are
+dropped; and ``gamma_n = n u / (1 - n u)``, not ``n u``. Each of these is below ``1e-3``
+relative for the lengths a Gram matrix takes, so an eighth is ample. The bound itself is
+a worst case, for any order of XLA's additions (``inner_error``, ``outer_error``):
+``tests/test_norm_numerics.py`` pins it on rows built to round badly."""
 
 
 def _reliable(gram: jax.Array, error: jax.Array) -> jax.Array:
-    """Whether a Gram sum ``gram`` (a squared norm), whose rounding error is estimated as
-    ``u * error``, gives its norm within ``GRAM_TOLERANCE``. The square's relative error
-    is twice the norm's. A sum that is not finite came from rows that are not, and is
-    kept as it is: the product form would not be finite either."""
+    """Whether a Gram sum ``gram`` (a squared norm), whose rounding error is bounded by
+    ``u * error`` (``_gram_sum``), gives its norm within ``GRAM_TOLERANCE``. The square's
+    relative error is twice the norm's. A sum that is not finite came from rows that are
+    not, and is kept as it is: the product form would not be finite either."""
     u = jnp.finfo(gram.dtype).eps / 2
     tolerance = GRAM_TOLERANCE[jnp.finfo(gram.dtype).bits]
     bound = GRAM_ERROR_MARGIN * u * error
     return (bound <= 2 * tolerance * gram) | (error == 0) | ~jnp.isfinite(gram + error)
 
 
-GRAM_BLOCK = 128
-"""The longest inner product a Gram matrix takes in one piece. XLA:CPU's dot accumulates
-a long row's products one after another, and a row with one dominant entry then loses
-the small squares (each below half an ulp of the running sum): an error that grows
-with the length, 133 ``u ||a||^2`` at 2048 entries, where 128 entries err by at most
-3.1 ``u ||a||^2`` (measured). Longer rows are cut into blocks of this length, whose Gram
-matrices are added by a reduction: 6.6 ``u ||a||^2`` at 2048 entries, 2 at 65536."""
+GRAM_BLOCK = 16
+"""The longest inner product a Gram matrix hands to one ``dot``. The order in which a
+``dot`` adds its products is the backend's, and a sum of ``n`` products in an unknown
+order errs by up to ``n u`` times the sum of their magnitudes (``gamma_n``): which bites
+where a row's one large entry meets many small ones, each below half an ulp of the
+running sum. XLA:CPU on an AVX2 machine adds a row of 128 entries one after another
+(122 ``u ||a||^2`` measured on such a row, against 3.1 on an AVX-512 one). Rows are cut
+into blocks of this length, and the blocks' Gram matrices added by halving
+(``tree_sum``), whose order is the program's: each inner product then errs by at most
+``inner_error(k) u ||a_t|| ||a_s||`` on any backend. 16 keeps that factor at 19 for
+rows of 128 (the Gram form is then kept on random rows of 64 tokens, where the bound
+is about 220 times the squared norm, below the ``2 tol / (margin u)`` = 298 it must
+meet), at about 1.6 times the time of blocks of 128 on the CPU."""
 
 
-def inner_error(length: int) -> float:
+def tree_sum(x: jax.Array) -> jax.Array:
+    """The sum over the leading axis by halving: each result is a sum of at most
+    ``ceil(log2(len(x)))`` rounded additions, whatever the backend (elementwise adds of
+    slices, which XLA does not reassociate). 0 for an empty axis."""
+    if x.shape[0] == 0:
+        return jnp.zeros(x.shape[1:], x.dtype)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        head = x[:half] + x[half : 2 * half]
+        x = jnp.concatenate([head, x[2 * half :]]) if x.shape[0] % 2 else head
+    return x[0]
+
+
+def _depth(n: int) -> int:
+    """How many rounded additions ``tree_sum`` of ``n`` entries chains at most."""
+    return max(n - 1, 0).bit_length()
+
+
+def inner_error(length: int) -> int:
     """How many times ``u ||a|| ||b||`` an inner product of ``length`` entries, as
-    ``gram_matrices`` takes it, is counted as erring by."""
-    return BLOCKED_ERROR if length > GRAM_BLOCK else 1.0
+    ``gram_matrices`` takes it, can err by: ``gamma`` of a block's products (at most
+    ``GRAM_BLOCK``, in any order), and the halving sum of the blocks."""
+    blocks = -(-length // GRAM_BLOCK)
+    return min(length, GRAM_BLOCK) + _depth(blocks)
+
+
+def outer_error(terms: int) -> int:
+    """How many times the sum of their magnitudes the sum of ``terms`` Gram terms
+    ``xx * gg`` can err by (``_gram_sum``): the rounding of each product, and the
+    halving sum."""
+    return 1 + _depth(terms)
 
 
 def gram_matrices(rows: jax.Array) -> jax.Array:
     """``(H, T, T)`` Gram matrices of rows ``(H, T, k)``, in blocks of ``GRAM_BLOCK``
-    entries (see there): each inner product then errs by about ``u`` times the product
-    of its rows' norms, whatever ``k``."""
+    entries added by halving (see there): each inner product then errs by at most
+    ``inner_error(k) u`` times the product of its rows' norms, in any backend's order."""
     h, t, k = rows.shape
     if k <= GRAM_BLOCK:
         return jnp.einsum("htk,hsk->hts", rows, rows, precision=HIGHEST)
     blocks = -(-k // GRAM_BLOCK)
-    size = -(-k // blocks)  # as even as the blocks can be: little padding
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, blocks * size - k)))
-    rows = rows.reshape(h, t, blocks, size)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, blocks * GRAM_BLOCK - k)))
+    rows = rows.reshape(h, t, blocks, GRAM_BLOCK)
     parts = jnp.einsum("htjb,hsjb->jhts", rows, rows, precision=HIGHEST)
     # The barrier keeps XLA from folding the sum of the blocks back into the product
     # (a reduction over a dot's batch dimension becomes a contraction).
-    return jnp.sum(jax.lax.optimization_barrier(parts), axis=0)
+    return tree_sum(jax.lax.optimization_barrier(parts))
 
 
-def _gram_error(
-    xx: jax.Array, gg: jax.Array, k: float = 1.0, n: float = 1.0, exact: bool = False
-) -> jax.Array:
-    """``E`` for ``sum(xx * gg)``, Gram matrices (``gram_matrices``) of rows ``a_t`` and ``g_t``,
-    over their leading axes ``(..., T, T)``: each inner product ``a_t.a_s`` rounds to
-    within about ``u ||a_t|| ||a_s||`` whatever its size, so a term errs by ``u (||a_t||
-    ||a_s|| |g_t.g_s| + |a_t.a_s| ||g_t|| ||g_s||)``, and their sum by ``u sum |xx * gg|``
-    more. Where rows repeat and cotangents cancel, ``E`` is as large as ``(sum_t ||a_t||
-    ||g_t||)^2`` while the sum (the squared norm) is small: the squared condition number
-    of the form. ``k`` and ``n``: how many times that the inner products of ``xx`` and
-    ``gg`` are counted as erring by (``inner_error``). ``exact``: ``xx`` has no rounding
+def _gram_sum(
+    xx: jax.Array, gg: jax.Array, k: int = 0, n: int = 0, exact: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``sum(xx * gg)`` over Gram matrices (``gram_matrices``) of rows ``a_t`` of ``k``
+    and ``g_t`` of ``n`` entries, leading axes ``(..., T, T)``, and ``E``, a bound on its
+    rounding error over ``u`` (times ``GRAM_ERROR_MARGIN``, see there).
+
+    Each inner product ``a_t.a_s`` errs by at most ``inner_error(k) u ||a_t|| ||a_s||``
+    (Cauchy-Schwarz bounds the magnitudes of its products by the norms), so a term by
+    that times ``|g_t.g_s|``, plus the same for ``gg``, and the sum of the terms by
+    ``outer_error`` times their magnitudes more. Where rows repeat and cotangents cancel,
+    ``E`` is as large as ``(sum_t ||a_t|| ||g_t||)^2`` while the sum (the squared norm)
+    is small: the squared condition number of the form. ``exact``: ``xx`` has no rounding
     error (the equal-ids matrix of an embedding)."""
+    total = tree_sum((xx * gg).reshape(-1))
     g = jnp.sqrt(jnp.diagonal(gg, axis1=-2, axis2=-1))
-    error = n * jnp.abs(xx) * (g[..., :, None] * g[..., None, :]) + jnp.abs(xx * gg)
+    error = inner_error(n) * jnp.abs(xx) * (g[..., :, None] * g[..., None, :])
+    error = error + outer_error(math.prod(xx.shape)) * jnp.abs(xx * gg)
     if not exact:
         a = jnp.sqrt(jnp.diagonal(xx, axis1=-2, axis2=-1))
-        error = error + k * a[..., :, None] * a[..., None, :] * jnp.abs(gg)
-    return jnp.sum(error)
+        error = error + inner_error(k) * a[..., :, None] * a[..., None, :] * jnp.abs(gg)
+    return total, jnp.sum(error)
 
 
 def _direct_sites(program: Program, leaves: Sequence[int]) -> list[int]:
@@ -1174,8 +1203,8 @@ def _gram_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """The Gram form's norm from the Gram matrices of rows of ``k`` and ``n`` entries
     scaled by ``_balanced``, and whether it is reliable (``_reliable``)."""
-    total = jnp.sum(xx * gg)
-    reliable = _reliable(total, _gram_error(xx, gg, inner_error(k), inner_error(n)))
+    total, error = _gram_sum(xx, gg, k, n)
+    reliable = _reliable(total, error)
     # Where it is not reliable the caller takes the product form's norm instead; 1 keeps
     # the discarded value, and its derivative, finite.
     return _from_gram(jnp.where(reliable, total, 1), *scales), reliable
@@ -1243,8 +1272,8 @@ def _embedding_norm(
         return _from_gram(squares, *mg), jnp.ones((), bool)
     same = (ids[:, None] == ids[None, :]).astype(gs.dtype)  # the ids' Gram matrix, exact
     gg = gram_matrices(gs[None])[0]
-    total = jnp.sum(same * gg)
-    reliable = _reliable(total, _gram_error(same, gg, n=inner_error(width), exact=True))
+    total, error = _gram_sum(same, gg, n=width, exact=True)
+    reliable = _reliable(total, error)
     return _from_gram(jnp.where(reliable, total, 1), *mg), reliable
 
 
