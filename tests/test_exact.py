@@ -308,6 +308,17 @@ def test_default_batch_argnums_warns_once_about_another_batch_argument():
     assert_close(got, want, terms=8)
 
 
+def test_a_warning_names_the_line_of_the_call_that_caused_it():
+    """Found by a new user: warnings pointed into the library. Eager, or under ``jax.jit``
+    (where JAX traces the step a few frames down), the warning is the caller's."""
+    y = random_array(1, (8,), jnp.float32)
+    for wrap in (lambda f: f, jax.jit):
+        step = wrap(micro_grad(_loss_xy, microbatch_size=4))
+        with pytest.warns(UserWarning, match="batch_argnums was left") as record:
+            step(P, X, y)
+        assert [w.filename for w in record] == [__file__]
+
+
 def test_has_aux_false_with_a_pair_names_has_aux():
     with pytest.raises(
         TypeError,

@@ -262,8 +262,9 @@ def test_a_mean_over_a_named_vmap_axis_warns():
         return jnp.mean(_squares(p, jax.vmap(one, axis_name="batch")(x), y))
 
     grad_fn = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=4)
-    with pytest.warns(BatchStatisticsWarning, match="statistic over the batch axis"):
-        got, _ = grad_fn(*MIX_ARGS)
+    with pytest.warns(BatchStatisticsWarning, match="statistic over the batch axis") as record:
+        got, _ = jax.jit(grad_fn)(*MIX_ARGS)
+    assert [w.filename for w in record] == [__file__]  # the caller's line, not the library's
     p, x, y = MIX_ARGS
     assert_close(got, sum(jax.grad(loss)(p, x[b : b + 1], y[b : b + 1]) for b in range(8)), terms=8)
 

@@ -1,12 +1,16 @@
 """Wrap-time normalisers: each checks one argument of a transform and returns it normalised.
 
 They run once, when the user wraps a function, and raise a TypeError or ValueError that
-names the argument, shows the value and says how to fix it.
+names the argument, shows the value and says how to fix it. ``warn`` is their
+counterpart for what is allowed but likely wrong.
 """
 
 from __future__ import annotations
 
 import operator
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +18,22 @@ import jax
 import numpy as np
 
 from ._typing import AxisSpec, Count, Function
+
+_LIBRARIES = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (sys.modules[__package__], jax)
+    if module.__file__ is not None
+)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first frame up the stack
+    that is neither this package nor JAX (which traces the user's function, maybe
+    several calls deep), so that the warning names the call that caused it."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def function_name(fun: Function) -> str:

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import math
 import typing
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -256,7 +255,7 @@ def layout(
         sharded = sharded or mine_any
         homes.append(tuple(home))
     if unknown and not where.explicit and unseen >= UNSEEN_LAYOUT_BYTES:
-        warnings.warn(
+        _checks.warn(
             f"micro_grad cannot see how its differentiated arguments ({unseen / 2**20:.0f} "
             "MiB) are laid out: inside jax.jit on an Auto mesh JAX does not show it. They "
             "enter the loop whole on every device, and their gradients are all-reduced "
@@ -265,7 +264,6 @@ def layout(
             "microbatch's gradient is reduce-scattered into a sum sharded like them; if "
             "they are replicated, pass param_specs=jax.sharding.PartitionSpec().",
             UnseenLayoutWarning,
-            stacklevel=2,
         )
     if not (sharded or (unknown and not where.explicit)):
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from . import (
     _accumulators,
     _batch,
+    _checks,
     _convs,
     _eager,
     _layout,
@@ -115,13 +115,12 @@ def _warn_if_sharded(batch: Batch, size: int, mesh_axes: Any, axes: BatchAxes) -
             padding = (
                 " and pass example_weights that are 0 on the padding rows" if axes.weights else ""
             )
-            warnings.warn(
+            _checks.warn(
                 f"allow_remainder on a batch sharded over {where.count} devices: with a "
                 f"remainder of {batch.remainder} rows the microbatches no longer line up with "
                 "the shards, so each microbatch's rows are gathered across devices. To keep "
                 "every row on its device, pad the batch to a multiple of microbatch_size (a "
-                f"multiple of {where.count}){padding}.",
-                stacklevel=2,
+                f"multiple of {where.count}){padding}."
             )
             return
 

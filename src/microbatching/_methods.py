@@ -17,7 +17,6 @@ one more entry, with the facts the wrap-time checks and the plan read from it.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 from . import (
     _accumulators,
     _batch_statistics,
+    _checks,
     _clipping,
     _fsdp,
     _ghost,
@@ -511,10 +511,8 @@ def _warn_if_rows_mix(example: Examples, args: tuple[Any, ...], kwargs: dict[str
     ]
     primitive = _batch_statistics.mixes_rows(split.fun, split.params, split.data, expanded)
     if primitive is not None:
-        warnings.warn(
-            _MIXES_ROWS.format(primitive=primitive),
-            _batch_statistics.BatchStatisticsWarning,
-            stacklevel=2,
+        _checks.warn(
+            _MIXES_ROWS.format(primitive=primitive), _batch_statistics.BatchStatisticsWarning
         )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -323,15 +322,13 @@ class UnsplitBatchWarning:
             if any(np.ndim(x) and np.shape(x)[0] == size for x in jax.tree.leaves(arg)):
                 self._pending = False
                 label, name = self._axes.label(i), self._axes.fun_name
-                warnings.warn(
+                _checks.warn(
                     f"micro_grad({name}): batch_argnums was left at its default, 1, so only "
                     f"`{self._axes.label(1)}` is split into examples, but `{label}` "
                     f"(argument {i}) also has {size} rows on axis 0 and is passed whole to "
                     f"every example. If it holds one entry per example, pass "
                     f"batch_argnums=(1, {i}); if it is meant whole, pass batch_argnums=1 "
-                    "to say so.",
-                    UserWarning,
-                    stacklevel=4,
+                    "to say so."
                 )
                 return
 
