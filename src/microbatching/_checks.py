@@ -20,9 +20,7 @@ import numpy as np
 from ._typing import AxisSpec, Count, Function
 
 _LIBRARIES = tuple(
-    os.path.dirname(module.__file__) + os.sep
-    for module in (sys.modules[__package__], jax)
-    if module.__file__ is not None
+    os.path.dirname(path) + os.sep for path in (__file__, jax.__file__) if path is not None
 )
 
 
