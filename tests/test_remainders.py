@@ -281,8 +281,9 @@ def test_a_batch_smaller_than_the_microbatch():
     with pytest.raises(
         ValueError,
         match=r"The batch size 4 is smaller than microbatch_size=10\. Pass allow_remainder=True "
-        r"to run it as one microbatch, padded to 10 rows where the transform pads; or pass "
-        r"microbatch_size=4, or None for no microbatching\.",
+        r"to run it as one microbatch of 4 rows \(which micro_vmap and micro_grad pad to 10 "
+        r"with masked copies of the last row\); or pass microbatch_size=4, or None for no "
+        r"microbatching\.",
     ):
         micro_vmap(rows, microbatch_size=10)(jnp.ones((4, 3)))
     got = micro_vmap(rows, microbatch_size=10, accumulator=MEAN, allow_remainder=True)(

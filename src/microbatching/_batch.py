@@ -242,9 +242,9 @@ def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int)
     if 0 < batch_size < microbatch_size:
         raise ValueError(
             f"The batch size {batch_size} is smaller than {microbatch_size=}. Pass "
-            f"allow_remainder=True to run it as one microbatch, padded to {microbatch_size} "
-            f"rows where the transform pads; or pass microbatch_size={batch_size}, or None "
-            "for no microbatching."
+            f"allow_remainder=True to run it as one microbatch of {batch_size} rows (which "
+            f"micro_vmap and micro_grad pad to {microbatch_size} with masked copies of the "
+            f"last row); or pass microbatch_size={batch_size}, or None for no microbatching."
         )
     if batch_size % microbatch_size:
         n, r = divmod(batch_size, microbatch_size)
