@@ -506,3 +506,79 @@ def test_float64_norms_beyond_float32_s_exponents(method, x, s, bound):
     # Both examples are clipped to the bound, and point the same way: the sum's norm is 2C.
     total = float(np.sqrt(np.sum((np.asarray(got) / bound) ** 2))) * bound
     np.testing.assert_allclose(total, 2 * bound, rtol=1e-12, atol=0)
+
+
+def _cancelling_then_small(big: float, small: float, dtype: Any = np.float32):
+    """Rows ``(2, 3, 16)``: one input row twice with cotangents ``+big`` and ``-big`` (they
+    cancel exactly), and a third row ``small`` in another column with cotangent
+    ``small``: the gradient is ``small**2`` per entry, far below the rows' scale."""
+    x, v = np.zeros((2, 3, 16), dtype), np.zeros((2, 3, 16), dtype)
+    x[:, 0, 0] = x[:, 1, 0] = big
+    v[:, 0], v[:, 1] = big, -big
+    x[:, 2, 1] = v[:, 2] = small
+    return x, v
+
+
+def _conv_loss(p, x, v):
+    y = jax.lax.conv_general_dilated(
+        x[None], p, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")
+    )[0]
+    return jnp.sum(y * v)
+
+
+def _embedding_loss(p, ids, v):
+    return jnp.sum(p[ids] * v)
+
+
+@pytest.mark.parametrize("rule", ["dense", "conv", "embedding"])
+def test_a_gradient_far_below_its_cancelling_rows_keeps_its_norm(rule: str):
+    """Found by a breaker: the Gram form rightly rejects these examples (large rows that
+    cancel), and the product form that recomputes them squared a gradient of ``2**40``
+    at the rows' scale of ``2**120``: the squares underflowed, the norms came out 0, and
+    the clipped sum was ``8.8e12`` against a bound of 2. The product is now scaled by its
+    own largest entry before it is squared."""
+    big, small = 2.0**60, 2.0**20
+    x, v = _cancelling_then_small(big, small)
+    if rule == "embedding":  # ids [3, 3, 5]: the same row twice, cotangents cancelling
+        loss, p = _embedding_loss, jnp.zeros((8, 16), jnp.float32)
+        x = np.tile(np.array([3, 3, 5], np.int32), (2, 1))
+        v[:, 0], v[:, 1], v[:, 2] = 2.0**70, -(2.0**70), 32.0  # 32 * 2**-70, squared: 0
+        want = np.full(2, 32.0 * 4.0)  # sqrt(16) entries of 32
+    else:
+        loss = _property_loss if rule == "dense" else _conv_loss
+        p = jnp.zeros((16, 16) if rule == "dense" else (1, 16, 16), jnp.float32)
+        want = np.full(2, small**2 * 4.0)
+    fn = micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        metrics_fn=microbatching.l2_norm,
+        l2_clip_norm=1.0,
+        clip_method="ghost",
+    )
+    summed, aux = jax.jit(fn)(p, jnp.asarray(x), jnp.asarray(v))
+    np.testing.assert_allclose(np.asarray(aux.metrics, np.float64), want, rtol=1e-5, atol=0)
+    total = np.linalg.norm(np.asarray(summed, np.float64))
+    assert total <= 2 * (1 + 1e-5), total
+
+
+@pytest.mark.x64
+def test_a_float64_gradient_far_below_its_cancelling_rows_keeps_its_norm():
+    """The same in float64, at scales float32 cannot hold (``2**400`` against ``2**1000``)."""
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+    x, v = _cancelling_then_small(2.0**500, 2.0**200, np.float64)
+    p = jnp.zeros((16, 16), jnp.float64)
+    fn = micro_grad(
+        _property_loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        metrics_fn=microbatching.l2_norm,
+        l2_clip_norm=1.0,
+        clip_method="ghost",
+    )
+    summed, aux = jax.jit(fn)(p, jnp.asarray(x), jnp.asarray(v))
+    np.testing.assert_allclose(
+        np.asarray(aux.metrics), np.full(2, 2.0**400 * 4), rtol=1e-12, atol=0
+    )
+    assert np.linalg.norm(np.asarray(summed)) <= 2 * (1 + 1e-12)

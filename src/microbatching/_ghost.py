@@ -1142,12 +1142,26 @@ def _from_gram(gram: jax.Array, *scales: jax.Array) -> jax.Array:
     and the factors that undo it; ``inf`` or NaN where a factor (the largest magnitude
     itself) is. ``gram`` is never negative: a Gram sum that could be is recomputed
     (``_reliable``)."""
-    norm = jnp.sqrt(gram)
+    return _from_norm(jnp.sqrt(gram), *scales)
+
+
+def _from_norm(norm: jax.Array, *scales: jax.Array) -> jax.Array:
+    """``_from_gram`` of a norm already taken."""
     bad = jnp.zeros((), norm.dtype)
     for scale in scales:
         norm = norm * scale
         bad = bad + jnp.where(jnp.isfinite(scale), 0, scale)
     return norm + bad
+
+
+def _product_of_rows(product: jax.Array, *scales: jax.Array) -> jax.Array:
+    """The norm of a per-example gradient formed from scaled rows (``x^T g``, or the
+    scattered rows of an embedding), scaled by its own largest entry before it is
+    squared. The rows' scale is set by their largest entries, and where large rows
+    cancel (a row twice with opposite cotangents) what is left can be far below it:
+    squared at the rows' scale, it underflowed to a norm of 0, and the example was not
+    clipped at all."""
+    return _from_norm(_clipping.norm(product), *scales)
 
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -1196,8 +1210,8 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
         return norm, jnp.ones((), bool)
     xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
-        squares = jnp.sum(jnp.square(jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)))
-        return _from_gram(squares, *scales), jnp.ones((), bool)
+        product = jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)
+        return _product_of_rows(product, *scales), jnp.ones((), bool)
     return _gram_norm(gram_matrices(xs), xs.shape[-1], gram_matrices(gs), gs.shape[-1], scales)
 
 
@@ -1271,8 +1285,8 @@ def _embedding_norm(
     ids = jnp.clip(ids, 0, rows - 1)
     gs, mg = _scaled(g)
     if not gram:
-        squares = jnp.sum(jnp.square(jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)))
-        return _from_gram(squares, *mg), jnp.ones((), bool)
+        scattered = jnp.zeros((rows, width), gs.dtype).at[ids].add(gs)
+        return _product_of_rows(scattered, *mg), jnp.ones((), bool)
     same = (ids[:, None] == ids[None, :]).astype(gs.dtype)  # the ids' Gram matrix, exact
     gg = gram_matrices(gs[None])[0]
     total, error = _gram_sum(same, gg, n=width, exact=True)
