@@ -539,6 +539,7 @@ def test_a_gradient_far_below_its_cancelling_rows_keeps_its_norm(rule: str):
     own largest entry before it is squared."""
     big, small = 2.0**60, 2.0**20
     x, v = _cancelling_then_small(big, small)
+    loss: Callable[..., Any]
     if rule == "embedding":  # ids [3, 3, 5]: the same row twice, cotangents cancelling
         loss, p = _embedding_loss, jnp.zeros((8, 16), jnp.float32)
         x = np.tile(np.array([3, 3, 5], np.int32), (2, 1))
