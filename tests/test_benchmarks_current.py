@@ -5,7 +5,7 @@ the stamp of the run that wrote it (``benchmarks/_provenance.py``): the command,
 commit, the library's version and a SHA-256 of the sources the figures depend on. A file
 whose recorded hash differs from the hash of the sources now is stale: a change to the
 library or to the script since the run. The remedy is ``make bench``, which reruns every
-script (about 31 minutes on 2 cores).
+script (about 33 minutes on 2 cores).
 
 The figures that README.md and the docs quote in the results' own form, a ratio with its
 quartiles (``1.00x [0.98, 1.02]``), must appear verbatim in a results file; on README.md
@@ -60,31 +60,12 @@ def _rerun(script: str) -> str:
     return f"run `make bench` (or `.venv/bin/python benchmarks/{script}`, that script alone)"
 
 
-# The results files on main predate the stamps: these two fail until `make bench` regenerates
-# them on the current sources (about 30 minutes on 2 idle cores), which no session has done
-# yet. Strict: once the results are current they pass, and the marker must go (issue 26).
-UNSTAMPED = pytest.mark.xfail(
-    strict=True, reason="the results predate their provenance stamps: run `make bench`"
-)
-
-
-CURRENT = {"STATISTICS.md"}
-"""Results files written by a full run since the stamps came in: no longer expected to fail."""
-
-
-@pytest.mark.parametrize(
-    ("name", "script"),
-    [
-        pytest.param(name, script, marks=() if name in CURRENT else UNSTAMPED)
-        for name, script in provenance.RESULTS.items()
-    ],
-)
+@pytest.mark.parametrize(("name", "script"), list(provenance.RESULTS.items()))
 def test_results_are_from_the_current_sources(name: str, script: str):
     why = _stale(BENCHMARKS / name, script)
     assert why is None, f"benchmarks/{name} is stale: {why}: {_rerun(script)}"
 
 
-@UNSTAMPED
 def test_plots_are_from_the_current_sources():
     script = provenance.PLOTS_SCRIPT
     assert PLOTS, f"benchmarks/plots/ has no PNG: {_rerun(script)}"
