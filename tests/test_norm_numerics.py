@@ -334,18 +334,25 @@ def test_no_norm_falls_below_its_reference(seed: int, exponents: list[float], re
     assert np.all(np.asarray(aux.metrics, np.float64) >= want - slack)
 
 
+def _ghost_with_norms(loss: Callable[..., Any], l2_clip_norm: float = 1.0, **options: Any):
+    """``micro_grad`` of ``loss(p, x, v)`` over examples of ``x`` and ``v`` (no batch axis),
+    clipped by the ghost method, with each example's norm as its metric."""
+    return micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        keep_batch_dim=False,
+        metrics_fn=microbatching.l2_norm,
+        l2_clip_norm=l2_clip_norm,
+        clip_method="ghost",
+        **options,
+    )
+
+
 def _dense_norms(x: np.ndarray, v: np.ndarray) -> tuple[Any, Any, Any]:
     """``micro_grad``'s norms of ``sum((x @ w) * v)`` per example (rows ``(B, T, k)``),
     its report's form, and the float64 norms of the same inputs' gradients."""
     w = jnp.zeros((x.shape[-1], v.shape[-1]), jnp.float32)
-    fn = micro_grad(
-        _property_loss,
-        batch_argnums=(1, 2),
-        keep_batch_dim=False,
-        metrics_fn=microbatching.l2_norm,
-        l2_clip_norm=1.0,
-        clip_method="ghost",
-    )
+    fn = _ghost_with_norms(_property_loss)
     (form,) = [leaf.form for leaf in microbatching.clipping_report(fn, w, x, v).leaves]
     _, aux = jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(v))
     want = np.linalg.norm(np.einsum("btk,btn->bkn", x.astype(np.float64), v), axis=(1, 2))
@@ -407,15 +414,7 @@ def _shared_norms(x: np.ndarray, v: np.ndarray) -> tuple[Any, Any]:
     """``micro_grad``'s norms of ``_shared_loss`` per example, and the float64 norms."""
     k, n = x.shape[-1], v.shape[-1]
     p = {"a": jnp.zeros((k, n), jnp.float32), "b": jnp.zeros((k, n), jnp.float32)}
-    fn = micro_grad(
-        _shared_loss,
-        batch_argnums=(1, 2),
-        keep_batch_dim=False,
-        microbatch_size=2,
-        metrics_fn=microbatching.l2_norm,
-        l2_clip_norm=CLIP,
-        clip_method="ghost",
-    )
+    fn = _ghost_with_norms(_shared_loss, l2_clip_norm=CLIP, microbatch_size=2)
     forms = [leaf.form for leaf in microbatching.clipping_report(fn, p, x, v).leaves]
     assert forms == ["gram", "gram"]
     _, aux = jax.jit(fn)(p, jnp.asarray(x), jnp.asarray(v))
@@ -533,14 +532,7 @@ def _embedding_loss(p, ids, v):
 def _norms_and_clipped_sum(loss: Callable[..., Any], p, x, v, want, rtol: float) -> None:
     """``micro_grad``'s ghost norms of two examples equal ``want`` to ``rtol``, and the sum
     clipped to 1 has norm at most 2 (to ``rtol``)."""
-    fn = micro_grad(
-        loss,
-        batch_argnums=(1, 2),
-        keep_batch_dim=False,
-        metrics_fn=microbatching.l2_norm,
-        l2_clip_norm=1.0,
-        clip_method="ghost",
-    )
+    fn = _ghost_with_norms(loss)
     summed, aux = jax.jit(fn)(p, jnp.asarray(x), jnp.asarray(v))
     np.testing.assert_allclose(np.asarray(aux.metrics, np.float64), want, rtol=rtol, atol=0)
     total = np.linalg.norm(np.asarray(summed, np.float64))
