@@ -569,3 +569,109 @@ def test_a_float64_gradient_far_below_its_cancelling_rows_keeps_its_norm():
     x, v = _cancelling_then_small(2.0**500, 2.0**200, np.float64)
     p = jnp.zeros((16, 16), jnp.float64)
     _norms_and_clipped_sum(_property_loss, p, x, v, np.full(2, 2.0**400 * 4), rtol=1e-12)
+
+
+# --- the clip factor times a cotangent below the smallest normal number -----------------
+
+
+def _lost_to_underflow(big: float, small: float, dtype: Any = np.float32):
+    """One example of two rows of a dense or 1x1-conv site ``sum((x @ w)[:, 0] * s)``:
+    ``(v, 1)`` with cotangent 1 and ``(-big, 0)`` with cotangent ``small``, where
+    ``v = big * small`` cancels the second row's first entry. Its gradient is about
+    ``(0, 1)``; times a factor ``c`` with ``c * small`` below ``tiny``, a sum that scales
+    the cotangents loses the second row and adds ``c * (v, 1)``: ``v`` times too large."""
+    v = float(np.asarray(big, dtype) * np.asarray(small, dtype))
+    x = np.asarray([[[v, 1.0], [-big, 0.0]]], dtype)
+    s = np.asarray([[1.0, small]], dtype)
+    return x, s
+
+
+def _first_column_loss(p, x, s):
+    return jnp.sum((x @ p)[..., 0] * s)
+
+
+def _first_channel_conv_loss(p, x, s):
+    y = jax.lax.conv_general_dilated(x, p, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))
+    return jnp.sum(y[..., 0] * s)
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "two_pass", "chunked"])
+@pytest.mark.parametrize("rule", ["dense", "conv"])
+def test_a_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipped_gradient(
+    rule: str, method: str
+):
+    """Found by a breaker: the ghost sum multiplied the cotangents by the clip factor in
+    float32; ``1e-3 * 1e-35`` is below ``tiny``, was flushed, and the example added
+    3000 times ``C`` where at most ``C`` is allowed (two_pass and chunked the same,
+    through the backward pass). Now ghost bounds what a scaled cotangent can lose and
+    sums such a microbatch from the per-example gradients, and two_pass and chunked run
+    the backward pass at the factors over their largest power of two."""
+    x, s = _lost_to_underflow(3e38, 1e-35)
+    clip = 1e-3
+    w = jnp.full((2, 1) if rule == "dense" else (1, 2, 1), 1e-3, jnp.float32)
+    loss = _first_column_loss if rule == "dense" else _first_channel_conv_loss
+    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
+    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
+    each = np.asarray(jax.grad(loss)(w, x, s), np.float64).ravel()  # float32, as the model
+    want = each * clip / np.linalg.norm(each)
+    # The gradient's own rounding: u times the terms that cancel (3000 * C * 2**-24).
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+    assert np.linalg.norm(got) <= clip * (1 + 1e-5)
+
+
+def test_the_underflow_bound_keeps_book_keeping_where_it_holds_and_not_where_it_fails():
+    """The bound (``_ghost.underflow_risk``) on one row of data ``x`` and a cotangent of
+    ``1e-35`` that a factor of ``1e-3`` flushes: at data ``1e3`` the loss, at most ``tiny
+    * 1e3``, is far below ``1e-5`` of the target, and book-keeping is kept; at ``3e38``
+    it is not, and the microbatch takes the per-example sum."""
+
+    def risk(data: float) -> bool:
+        fun = lambda ps, ex: [_first_column_loss(ps[0], *ex)]  # noqa: E731
+        params = [jnp.full((2, 1), 1e-3, jnp.float32)]
+        example = [jnp.asarray([[data, 1.0]], jnp.float32), jnp.asarray([1e-35], jnp.float32)]
+        program = _ghost.analyse(fun, params, example)
+        assert program is not None
+        seen = _ghost.record(program, params, [e[None] for e in example])
+        factor, target = jnp.asarray([1e-3]), jnp.asarray([1e-3])
+        sites = [k for k, site in enumerate(program.sites) if site.linear]
+        return bool(_ghost.underflow_risk(program, seen, sites, factor, target)[0])
+
+    assert not risk(1e3)
+    assert risk(3e38)
+
+
+@pytest.mark.x64
+def test_a_float64_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipped_gradient():
+    """The same in float64: ``1e-3 * 2e-305`` is below float64's ``tiny``."""
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+    x, s = _lost_to_underflow(1.5e308, 2e-305, np.float64)
+    w = jnp.full((2, 1), 1e-3, jnp.float64)
+    for method in ("auto", "two_pass"):
+        fn = micro_grad(_first_column_loss, batch_argnums=(1, 2), l2_clip_norm=1e-3,
+                        clip_method=method)  # fmt: skip
+        got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0]).ravel()
+        assert np.linalg.norm(got) <= 1e-3 * (1 + 1e-12), method
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+@pytest.mark.parametrize("rule", ["dense", "conv"])
+def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_sum(
+    rule: str, method: str
+):
+    """The same example beside one whose gradient is below ``C`` (factor 1): scaling by
+    the microbatch's largest factor leaves the first at ``1e-3``, the bound fails, and
+    the microbatch's sum comes from each example's gradient."""
+    x, s = _lost_to_underflow(3e38, 1e-35)
+    x = np.concatenate([x, np.asarray([[[1e-4, 0.0], [0.0, 0.0]]], np.float32)])
+    s = np.concatenate([s, np.asarray([[1.0, 0.0]], np.float32)])
+    clip = 1e-3
+    w = jnp.full((2, 1) if rule == "dense" else (1, 2, 1), 1e-3, jnp.float32)
+    loss = _first_column_loss if rule == "dense" else _first_channel_conv_loss
+    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
+    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
+    want = 0.0
+    for b in range(2):
+        each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
+        want = want + each * min(1.0, clip / np.linalg.norm(each))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)

@@ -536,7 +536,7 @@ def test_bad_options(options, error, message):
 def test_a_function_of_other_making_needs_arrays_of_one_leading_size():
     with pytest.raises(
         ValueError,
-        match=r"plan cannot tell the batch size: build returns a function that microbatch, micro_vmap and micro_grad did not make \(nor wrap through __wrapped__\), so the batch size is the leading-axis size shared by the array arguments, and they have leading sizes \[16, 64\] \(args\[0\]\[0\] of shape \(16, 64\), args\[0\]\[1\] of shape \(64, 1\), args\[1\] of shape \(64, 16\), args\[2\] of shape \(64, 1\)\); pass batch_size=, the size of the axis that build's function splits\.",
+        match=r"plan cannot tell the batch size: build returns a function that microbatch, micro_vmap and micro_grad did not make \(nor wrap through __wrapped__\), so the batch size is the leading-axis size shared by the array arguments, and they have leading sizes \[16, 64\] \(args\[0\]\[0\] of shape \(16, 64\), args\[0\]\[1\] of shape \(64, 1\) and 2 more\); pass batch_size=, the size of the axis that build's function splits\.",
     ):
         plan(lambda m: jax.grad(_loss), PARAMS, X, Y, memory_budget=HUGE)
 

@@ -267,7 +267,11 @@ def global_scale(g: Any) -> Any:
     [
         (tree(jnp.cumprod), "neither elementwise nor linear"),
         (tree(jnp.sort), "neither elementwise nor linear"),
-        (global_scale, "mixes gradient leaves"),
+        (
+            global_scale,
+            "mixes gradient leaves, and is not linear (to clip each example's "
+            "gradient, pass l2_clip_norm=",
+        ),
         (tree(lambda x: (x > 0).astype(jnp.int32)), "not a float"),
     ],
     ids=["cumprod", "sort", "mixing leaves", "integer output"],

@@ -946,10 +946,16 @@ def clipped_sum(
     scale: jax.Array,
     groups: Sequence[int],
     clean: bool,
+    norms: jax.Array | None = None,
 ) -> list[Any]:
     """``sum_b scale[b, groups[leaf]] * g_b`` for every leaf: one product per site at
     the scaled cotangents (book-keeping). With ``clean``, rows of scale 0 contribute
-    exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``)."""
+    exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``).
+
+    Given each example's ``norms`` (``(rows, leaves)``), a microbatch where a scaled
+    cotangent may have lost to underflow more than ``GRAM_TOLERANCE`` of an example's
+    scaled gradient (``underflow_risk``) takes its sum from the per-example gradients
+    of the sites instead (``_per_example_sum``), inside the compiled loop."""
     total: list[Any] = [jnp.zeros_like(p) for p in params]
     keep = scale != 0 if clean else jnp.ones(scale.shape, bool)
     for group in sorted(set(groups)):
@@ -964,25 +970,153 @@ def clipped_sum(
         reached = sorted(set(reached))
         linear = [k for k in reached if program.sites[k].linear]
         other = [k for k in reached if not program.sites[k].linear]
-        for leaf, g in zip(
-            leaves,
-            scaled_products(program, params, seen, leaves, linear, factor, kept, clean),
-            strict=True,
-        ):
-            total[leaf] = total[leaf] + g
+        if linear:
+            found = _linear_sum(program, params, seen, leaves, linear, factor, kept, clean, norms)
+            for leaf, g in zip(leaves, found, strict=True):
+                total[leaf] = total[leaf] + g
         if other:
-            grads = per_example_grads(program, params, leaves, other)
-            xs = (
-                [_zero_rows(seen.inputs[k], kept) for k in other],
-                [_zero_rows(seen.cotangents[k], kept) for k in other],
-            )
-            each = jax.lax.map(
-                lambda pair, f=grads: f(*pair), xs, batch_size=chunk(program, leaves)
-            )
-            for leaf, g in zip(leaves, each, strict=True):
-                w = jnp.where(kept, factor, 0).astype(g.dtype)
-                total[leaf] = total[leaf] + jnp.tensordot(w, jnp.where(at_rows(kept, g), g, 0), 1)
+            size = chunk(program, leaves)
+            found = _per_example_sum(program, params, seen, leaves, other, factor, kept, size)
+            for leaf, g in zip(leaves, found, strict=True):
+                total[leaf] = total[leaf] + g
     return total
+
+
+def _linear_sum(
+    program: Program,
+    params: Sequence[Any],
+    seen: Recorded,
+    leaves: list[int],
+    sites: list[int],
+    factor: jax.Array,
+    kept: jax.Array,
+    clean: bool,
+    norms: jax.Array | None,
+) -> list[Any]:
+    """``clipped_sum`` of one group's ``leaves`` at its linear ``sites``: book-keeping at
+    the cotangents times the factors over their power of two (``to_unit``), unless
+    ``norms`` are given and ``underflow_risk`` says that may lose too much."""
+    unit, power = to_unit(factor)
+
+    def book_keeping() -> list[Any]:
+        found = scaled_products(program, params, seen, leaves, sites, unit, kept, clean)
+        return [g * power.astype(g.dtype) for g in found]
+
+    if norms is None:
+        return book_keeping()
+    target = jnp.abs(unit) * jnp.max(norms[:, leaves], axis=1)
+    risky = underflow_risk(program, seen, sites, unit, target)
+    return jax.lax.cond(
+        jnp.any(risky),
+        lambda: _per_example_sum(program, params, seen, leaves, sites, factor, kept, 1),
+        book_keeping,
+    )
+
+
+def to_unit(factors: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``factors`` divided by ``2^e``, the power of two just above the largest in
+    magnitude (``2^(e-1) <= max < 2^e``), and ``2^e``; ``2^e`` is 1 where the largest is
+    0 or not finite. Both exact. Scaling by the first, then by ``2^e``, runs a backward
+    pass at cotangents no smaller than the loss's own for the example of the largest
+    factor, so that clip factors far below 1 do not push them below ``tiny``."""
+    top = jnp.max(jnp.abs(factors))
+    _, exponent = jnp.frexp(top)
+    exponent = jnp.where((top > 0) & jnp.isfinite(top), exponent, 0)
+    return jnp.ldexp(factors, -exponent), jnp.ldexp(jnp.ones((), factors.dtype), exponent)
+
+
+def underflow_risk(
+    program: Program,
+    seen: Recorded,
+    sites: Sequence[int],
+    factor: jax.Array,
+    target: jax.Array,
+) -> jax.Array:
+    """Whether each example's sum at ``sites``, taken at its cotangents times its
+    ``factor`` in the model's dtype, may differ from ``factor`` times its gradient by
+    more than ``GRAM_TOLERANCE`` of ``target`` (a lower bound of that scaled
+    gradient's norm), ``(rows,)``. Scaling both by a power of two leaves the answer.
+
+    Rounding in the normal range costs ``u`` relative per entry, as in the gradient
+    itself. An entry ``c g`` below the dtype's smallest normal number ``tiny`` is
+    rounded to a multiple of the smallest subnormal, or flushed to 0: off by at most
+    ``tiny``. At a site whose every output entry is a sum of products of one data
+    entry and one parameter entry (a dot, a convolution, a product, a lookup), an
+    entry's error moves the parameters' gradient by at most ``tiny`` times the sum of
+    the magnitudes of the example's data at the site (1 for integer data, the ids of
+    a lookup). The bound is ``tiny`` times that sum, times the count of such entries,
+    summed over the sites. A factor of 0 leaves the example out and loses nothing."""
+    rows = factor.shape[0]
+    bound = jnp.zeros((rows,), jnp.float32)
+    wide = jnp.promote_types(factor.dtype, jnp.float32)
+    c = jnp.abs(factor).astype(wide)
+    for k in sites:
+        data = jnp.zeros((rows,), wide)
+        for a in seen.inputs[k]:
+            if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+                flat = jnp.abs(jnp.reshape(a, (rows, -1))).astype(wide)
+                data = data + jnp.sum(flat, axis=1)
+            else:
+                data = data + 1
+        lost = jnp.zeros((rows,), wide)
+        for g in seen.cotangents[k]:
+            tiny = jnp.finfo(jnp.result_type(g)).tiny
+            flat = jnp.abs(jnp.reshape(g, (rows, -1))).astype(wide)
+            under = (flat != 0) & (flat * c[:, None] < tiny)
+            lost = lost + tiny * jnp.sum(under, axis=1).astype(wide)
+        bound = bound + (lost * data).astype(bound.dtype)
+    tolerance = GRAM_TOLERANCE[max(32, jnp.finfo(wide).bits)]
+    at_stake = (factor != 0) & (bound > 0)
+    return at_stake & ~(bound <= tolerance * target.astype(bound.dtype))
+
+
+def _per_example_sum(
+    program: Program,
+    params: Sequence[Any],
+    seen: Recorded,
+    leaves: Sequence[int],
+    sites: Sequence[int],
+    factor: jax.Array,
+    kept: jax.Array,
+    size: int,
+) -> list[Any]:
+    """``sum_b factor[b] * g_b`` of ``leaves`` at ``sites`` from each example's
+    gradient, formed at most ``size`` examples at a time (the largest divisor of the
+    rows up to it) and scaled in float32 or wider: no cotangent is multiplied by a
+    factor. Rows not ``kept`` contribute exactly 0. The fallback of ``clipped_sum``
+    takes one example at a time: it runs only on inputs built to underflow, and its
+    memory is then one example's gradient beside the sum."""
+    grads = per_example_grads(program, params, leaves, sites)
+    rows = factor.shape[0]
+    size = max(d for d in range(1, min(size, rows) + 1) if rows % d == 0)
+
+    def chunks(x: Any) -> Any:
+        return jnp.reshape(x, (rows // size, size, *jnp.shape(x)[1:]))
+
+    xs = (
+        [[chunks(v) for v in _zero_rows(seen.inputs[k], kept)] for k in sites],
+        [[chunks(v) for v in _zero_rows(seen.cotangents[k], kept)] for k in sites],
+        chunks(jnp.where(kept, factor, 0)),
+        chunks(kept),
+    )
+
+    def summed(x: Any) -> list[Any]:
+        inputs, cotangents, w, k = x
+        out = []
+        for g in jax.vmap(grads)(inputs, cotangents):
+            wide = jnp.promote_types(g.dtype, jnp.float32)
+            g = jnp.where(at_rows(k, g), g, jnp.zeros((), g.dtype)).astype(wide)
+            out.append(jnp.tensordot(w.astype(wide), g, 1))
+        return out
+
+    def step(carry: list[Any], x: Any) -> tuple[list[Any], None]:
+        return [c + s for c, s in zip(carry, summed(x), strict=True)], None
+
+    # The first chunk outside the scan: its sum, not zeros, types the carry (under
+    # shard_map, a value that varies over the manual axes).
+    total, _ = jax.lax.scan(step, summed(jax.tree.map(lambda x: x[0], xs)),
+                            jax.tree.map(lambda x: x[1:], xs))  # fmt: skip
+    return [t.astype(jnp.result_type(params[leaf])) for t, leaf in zip(total, leaves, strict=True)]
 
 
 def at_rows(keep: jax.Array, x: jax.Array) -> jax.Array:

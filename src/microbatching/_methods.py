@@ -546,8 +546,10 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
                     grads = _accumulators.per_row(accumulators, grads, rows)
                 return _open_all(grads, requested, None), aux
 
+            on_shard = dataclasses.replace(here, by_shard=True)
+
             def local(w: Any, *a: Any, **k: Any) -> Any:
-                return step(here, None, w, a, k)
+                return step(on_shard, None, w, a, k)
 
             grads, aux = _per_example.by_shard(local, axes, where, weights, args, kwargs)
             grads = _open_all(grads, requested, "sum", where)

@@ -204,6 +204,7 @@ class Sums:
       requested: The requested accumulation dtype, or None for the default.
       reading: For the statistics method, the call's reading of ``transform_fn`` and
         ``metrics_fn`` (``_statistics.read``); else None.
+      by_shard: Whether the step computes one shard's rows of a sharded batch.
     """
 
     example: Examples
@@ -211,6 +212,14 @@ class Sums:
     metrics: Callable[[PyTree], PyTree] | None
     requested: Any
     reading: _statistics.Reading | None = None
+    by_shard: bool = False
+
+    @property
+    def checks_underflow(self) -> bool:
+        """Whether the ghost sums check their scaled cotangents for underflow
+        (``_ghost.clipped_sum``): not on one shard's rows, which run vmapped over the
+        shards, where the check's ``lax.cond`` would run both branches."""
+        return not self.by_shard
 
     @property
     def norms_only(self) -> bool:
@@ -242,8 +251,16 @@ def weighted_gradient(
 
     The factors depend on the parameters, but as values closed over by ``total`` the
     gradient holds them fixed; outer derivatives still see them.
+
+    The factors are first divided by the power of two of the largest (``to_unit``), and
+    the gradient multiplied by it after, both exact: the backward pass then runs at
+    cotangents no smaller than the loss's own for that example, so that clip factors
+    far below 1 do not push its cotangents below the dtype's smallest normal number.
     """
     example = sums.example
+    power = None
+    if factors is not None:
+        factors, power = _ghost.to_unit(factors)
 
     def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         values, aux = sums.losses(*args, **kwargs)
@@ -259,6 +276,8 @@ def weighted_gradient(
     (_, (values, aux)), grads = jax.value_and_grad(total, example.argnums, has_aux=True)(
         *args, **kwargs
     )
+    if power is not None:
+        grads = jax.tree.map(lambda g: g * power.astype(g.dtype), grads)
     return _kept(grads, Aux(values, measured, aux), given)
 
 
@@ -442,7 +461,8 @@ def ghost(
         wide = jnp.promote_types(weights.dtype, scale.dtype)
         scale = jnp.where(given[:, None] != 0, scale.astype(wide) * weights[:, None], 0)
     clean = given is not None or (clipping is not None and clipping.nan_safe)
-    total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean)
+    checked = norms if sums.checks_underflow else None
+    total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked)
     grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
     measured = _clipping.row_norms(norms, rows) if sums.norms_only else None
@@ -480,7 +500,8 @@ def statistics(
     else:
         weights, keep = given.astype(jnp.promote_types(given.dtype, scale.dtype)), given != 0
     clean = given is not None or (clipping is not None and clipping.nan_safe)
-    each = _statistics.Rows(scale, groups, weights, keep, clean)
+    checked = norms if sums.checks_underflow else None
+    each = _statistics.Rows(scale, groups, weights, keep, clean, checked)
 
     def tree(leaves: list[Any]) -> PyTree:
         return split.gradient(example, leaves)

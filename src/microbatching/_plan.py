@@ -396,7 +396,15 @@ def _leading_size(labels: list[str], specs: list[jax.ShapeDtypeStruct]) -> int:
     leading = [(lab, s.shape) for lab, s in zip(labels, specs, strict=True) if s.shape]
     sizes = {shape[0] for _, shape in leading}
     if len(sizes) != 1 or 0 in sizes:
-        listing = ", ".join(f"{lab} of shape {shape}" for lab, shape in leading) or "none"
+        first: dict[int, tuple[str, tuple[int, ...], int]] = {}
+        for lab, shape in leading:  # one argument per size, and how many more share it
+            found = first.get(shape[0])
+            first[shape[0]] = (lab, shape, 0) if found is None else (*found[:2], found[2] + 1)
+        listing = ", ".join(
+            f"{lab} of shape {shape}" + (f" and {more} more" if more else "")
+            for lab, shape, more in (first[size] for size in sorted(first))
+        )
+        listing = listing or "none"
         raise ValueError(
             "plan cannot tell the batch size: build returns a function that microbatch, "
             "micro_vmap and micro_grad did not make (nor wrap through __wrapped__), so "

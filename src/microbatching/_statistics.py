@@ -376,7 +376,10 @@ def read(
             return f"transform_fn's output {path} is {out.dtype}, not a float"
         statistic = _form(path, value, rules, sites)
         if statistic is None:
-            return f"transform_fn's output {path} is not read: {_unread(value)}"
+            return (
+                f"transform_fn's output {path} needs each example's whole gradient: "
+                f"{_unread(value)}"
+            )
         outputs.append(statistic)
     metric_outputs: list[Statistic] = []
     if metrics is not None and not norms:
@@ -401,7 +404,10 @@ def _unread(value: _Value) -> str:
     if -1 in value.deps:
         return "it goes through an operation that is neither elementwise nor linear"
     if len(value.deps) > 1:
-        return "it mixes gradient leaves, and is not linear"
+        return (
+            "it mixes gradient leaves, and is not linear (to clip each example's "
+            "gradient, pass l2_clip_norm=, which takes the norms without the gradients)"
+        )
     return "it is neither elementwise nor linear in its gradient leaf"
 
 
@@ -477,6 +483,8 @@ class Rows:
       keep: The rows of weight other than 0.
       clean: Whether rows of weight or factor 0 must contribute exactly 0 even where
         their data are not finite.
+      norms: Each example's gradient norm per leaf ``(rows, leaves)`` where computed:
+        the sums then check their cotangents for underflow (``_ghost.clipped_sum``).
     """
 
     scale: jax.Array
@@ -484,6 +492,7 @@ class Rows:
     weights: jax.Array
     keep: jax.Array
     clean: bool
+    norms: jax.Array | None = None
 
     def clip(self, leaf: int) -> jax.Array:
         return self.scale[:, self.groups[leaf]]
@@ -512,7 +521,9 @@ def sums(
     if "linear" in forms:
         factor = rows.scale * rows.weights[:, None]
         factor = jnp.where(rows.keep[:, None], factor, 0) if rows.clean else factor
-        total = _ghost.clipped_sum(program, params, seen, factor, rows.groups, rows.clean)
+        total = _ghost.clipped_sum(
+            program, params, seen, factor, rows.groups, rows.clean, rows.norms
+        )
         at_total = outputs(list(total))
         outs = [t if f == "linear" else o for t, f, o in zip(at_total, forms, outs, strict=True)]
     count = jnp.sum(jnp.where(rows.keep, rows.weights, 0))
