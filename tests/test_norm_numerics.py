@@ -598,7 +598,7 @@ def _first_channel_conv_loss(p, x, s):
 @pytest.mark.parametrize("method", ["auto", "ghost", "two_pass", "chunked"])
 @pytest.mark.parametrize("rule", ["dense", "conv"])
 def test_a_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipped_gradient(
-    rule: str, method: str
+    rule: str, method: Any
 ):
     """Found by a breaker: the ghost sum multiplied the cotangents by the clip factor in
     float32; ``1e-3 * 1e-35`` is below ``tiny``, was flushed, and the example added
@@ -657,7 +657,7 @@ def test_a_float64_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipp
 @pytest.mark.parametrize("method", ["auto", "ghost"])
 @pytest.mark.parametrize("rule", ["dense", "conv"])
 def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_sum(
-    rule: str, method: str
+    rule: str, method: Any
 ):
     """The same example beside one whose gradient is below ``C`` (factor 1): scaling by
     the microbatch's largest factor leaves the first at ``1e-3``, the bound fails, and
