@@ -574,7 +574,8 @@ def test_statistics_asked_for_a_transform_it_cannot_read():
     with pytest.raises(
         ValueError,
         match=r"clip_method='statistics', but it cannot compute this call without the "
-        r"per-example gradients: transform_fn's output \['dense1'\]\['bias'\] is not "
-        r"read: .*Pass clip_method='auto'",
+        r"per-example gradients: transform_fn's output \['dense1'\]\['bias'\] needs each "
+        r"example's whole gradient: it is neither elementwise nor linear in its gradient "
+        r"leaf\. Pass clip_method='auto'",
     ):
         fn(model.params, *model.batch)
