@@ -184,11 +184,11 @@ def test_micro_grad_of_an_image_batch_norm_is_the_sum_of_batch_of_one_gradients(
 
 
 MIXES_ROWS = (
-    "micro_grad was given keep_batch_dim=True and a loss that computes a statistic over "
-    "the batch axis and applies it back to the rows (at `{}`): a BatchNorm layer, a "
-    "softmax over the examples, a rescaling of each row by a batch total. micro_grad "
-    "computes each example's gradient from that example alone, a batch of one row, so the "
-    "statistic is the example's own and the result differs from the whole batch's (a "
+    "micro_grad gives the loss each example alone, as a batch of one row "
+    "(keep_batch_dim=True, the default), and this loss computes a statistic over the batch "
+    "axis and applies it back to the rows (at `{}`): a BatchNorm layer, a softmax "
+    "over the examples, a rescaling of each row by a batch total. The statistic is then "
+    "each example's own and the result differs from the whole batch's (a "
     "BatchNorm over dense features outputs its bias whatever the input). For per-example "
     "gradients and DP-SGD normalise each example on its own (GroupNorm, LayerNorm) or "
     "compute the statistic outside the loss; for gradient accumulation over the batch's "
@@ -234,7 +234,7 @@ def test_a_loss_that_applies_a_batch_statistic_to_its_rows_warns(name):
     alone, as without the warning: the gradients of a loop over batches of one."""
     fun = ROWS_MIXED[name]
     grad_fn = micro_grad(fun, batch_argnums=(1, 2), microbatch_size=4)
-    with pytest.warns(BatchStatisticsWarning, match=r"a loss that computes a statistic over"):
+    with pytest.warns(BatchStatisticsWarning, match=r"this loss computes a statistic over"):
         got, _ = grad_fn(*MIX_ARGS)
     p, x, y = MIX_ARGS
     want = sum(jax.grad(fun)(p, x[b : b + 1], y[b : b + 1]) for b in range(8))

@@ -654,6 +654,31 @@ def test_a_float64_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipp
         assert np.linalg.norm(got) <= 1e-3 * (1 + 1e-12), method
 
 
+@pytest.mark.x64
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+def test_a_float64_example_beside_an_unclipped_one_takes_the_per_example_sum(method: Any):
+    """The float64 form of the next test. Found in review: the bound was kept in
+    float32, where ``tiny * 1e200`` (float64's ``tiny``) is 0, so the check never fired:
+    the factor ``1e-120`` takes the cotangent ``1e-195`` to a subnormal that keeps a few
+    bits, and the example added ``1e5`` times ``C``."""
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+    x, s = _lost_to_underflow(1e200, 1e-195, np.float64)
+    x = np.concatenate([x, np.asarray([[[1e-121, 0.0], [0.0, 0.0]]])])
+    s = np.concatenate([s, np.asarray([[1.0, 0.0]])])
+    clip, w = 1e-120, jnp.full((2, 1), 1e-3, jnp.float64)
+    fn = micro_grad(_first_column_loss, batch_argnums=(1, 2), l2_clip_norm=clip,
+                    clip_method=method)  # fmt: skip
+    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0]).ravel() / clip
+    want = 0.0
+    for b in range(2):
+        each = np.asarray(jax.grad(_first_column_loss)(w, x[b : b + 1], s[b : b + 1])).ravel()
+        want = want + each * min(1.0, clip / np.linalg.norm(each)) / clip
+    # want is (0.1, 1) in units of C; the gradient's own rounding is u times the
+    # terms that cancel (1e5 C * 2**-52).
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e5 * 2.0**-51)
+
+
 @pytest.mark.parametrize("method", ["auto", "ghost"])
 @pytest.mark.parametrize("rule", ["dense", "conv"])
 def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_sum(

@@ -1045,10 +1045,14 @@ def underflow_risk(
     entry's error moves the parameters' gradient by at most ``tiny`` times the sum of
     the magnitudes of the example's data at the site (1 for integer data, the ids of
     a lookup). The bound is ``tiny`` times that sum, times the count of such entries,
-    summed over the sites. A factor of 0 leaves the example out and loses nothing."""
+    summed over the sites. A factor of 0 leaves the example out and loses nothing.
+
+    The bound is kept in float32 or the factor's wider dtype: float64's ``tiny`` is 0 in
+    float32. A site that loses nothing adds 0 even where its data sum overflowed (no
+    ``0 * inf``), and one that loses something beside data too large to sum is at risk."""
     rows = factor.shape[0]
-    bound = jnp.zeros((rows,), jnp.float32)
     wide = jnp.promote_types(factor.dtype, jnp.float32)
+    bound = jnp.zeros((rows,), wide)
     c = jnp.abs(factor).astype(wide)
     for k in sites:
         data = jnp.zeros((rows,), wide)
@@ -1064,7 +1068,7 @@ def underflow_risk(
             flat = jnp.abs(jnp.reshape(g, (rows, -1))).astype(wide)
             under = (flat != 0) & (flat * c[:, None] < tiny)
             lost = lost + tiny * jnp.sum(under, axis=1).astype(wide)
-        bound = bound + (lost * data).astype(bound.dtype)
+        bound = bound + jnp.where(lost > 0, lost * data, 0)
     tolerance = GRAM_TOLERANCE[max(32, jnp.finfo(wide).bits)]
     at_stake = (factor != 0) & (bound > 0)
     return at_stake & ~(bound <= tolerance * target.astype(bound.dtype))

@@ -119,7 +119,12 @@ def micro_grad(
         (NaN or inf) contributes zero instead of making the sum NaN; the norms in
         ``Aux.metrics`` (``metrics_fn=l2_norm``) show which examples those were.
       clip_method: How the clipped sum and the norms are computed with the default
-        ``transform_fn`` and SUM or MEAN; every method is exact:
+        ``transform_fn`` and SUM or MEAN. Every method clips by each example's norm
+        to 1e-5 relative in float32. What they add differs in rounding: where an
+        example's rows cancel, the ghost methods add a gradient rounded in the
+        model's dtype, and not every method certifies what a clip factor that takes a
+        cotangent below the dtype's smallest normal number loses (the DP guide's
+        "What the library guarantees" says which does, on one device and on a mesh):
 
         - ``"ghost"``: each parameter's per-example norm is read off the traced program
           of one example's loss, from the inputs and output cotangents of the layers
