@@ -67,6 +67,7 @@ def cnn():
     return p, x, y
 
 
+@pytest.mark.compiled
 def test_the_gradient_in_the_loop_runs_every_convolution_in_eigen_order(cnn):
     """The weight gradient of a convolution reads its input with batch and feature
     swapped; in the loop that ran as a loop nest, 10x slower than outside it."""
@@ -76,6 +77,7 @@ def test_the_gradient_in_the_loop_runs_every_convolution_in_eigen_order(cnn):
     assert_close(jax.jit(looped)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
 
 
+@pytest.mark.compiled
 def test_micro_grad_and_clipping_run_every_convolution_in_eigen_order(cnn):
     p, x, y = cnn
     per_example = jax.vmap(jax.grad(cnn_loss), (None, 0, 0))(p, x[:, None], y[:, None])
@@ -91,6 +93,7 @@ def test_micro_grad_and_clipping_run_every_convolution_in_eigen_order(cnn):
         assert_close(jax.jit(grad)(p, x, y)[0], want, terms=32)
 
 
+@pytest.mark.compiled
 def test_gradients_through_the_loop_run_every_convolution_in_eigen_order(cnn):
     """``jax.grad`` of the loop is JAX's transpose of it; each convolution's custom_jvp
     (``_convs._eigen``) makes that transpose come out in Eigen's order too."""
@@ -175,6 +178,7 @@ def _conv_loss(conv):
     return loss
 
 
+@pytest.mark.compiled
 @settings(max_examples=12, deadline=None)
 @given(convolutions())
 def test_any_convolution_in_the_loop_gives_the_whole_batch_s_gradient(conv):
@@ -227,6 +231,7 @@ def test_reordered_convolutions_compose_with_grad_jvp_and_vmap(layout):
     assert_close(jax.jit(per_row)(w, x), jax.vmap(one, (None, axis))(w, x))
 
 
+@pytest.mark.compiled
 def test_convolutions_inside_jit_and_checkpoint_of_fun_are_reordered(cnn):
     """The rewrite reaches programs that ``fun`` calls (``jit``, ``checkpoint``)."""
     p, x, y = cnn

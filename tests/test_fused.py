@@ -166,6 +166,7 @@ def test_static_and_integer_arguments_pass_through(data):
         assert_close(got, jax.grad(loss)(params, x, y, 3, squared), terms=3)
 
 
+@pytest.mark.compiled
 def test_the_gradient_is_one_loop_with_convolutions_in_eigen_order(cnn):  # noqa: F811
     """The default runs a second, transposed loop; the fused gradient is the loop of
     value_and_grad, its convolutions in Eigen's order."""
@@ -297,6 +298,7 @@ def test_outputs_with_none_and_lists(data):
         assert_close(got, jax.grad(total(default))(params), terms=3, factor=2)
 
 
+@pytest.mark.compiled
 def test_inside_shard_map_the_gradient_of_a_replicated_parameter_is_summed_once(data):
     """Each device accumulates its own rows' gradient; the backward rule adds them up,
     as jax.grad does for a replicated input, with one all-reduce after the loop."""

@@ -156,6 +156,7 @@ def _temp(fun, *args) -> int:
     return analysis.temp_size_in_bytes
 
 
+@pytest.mark.compiled
 def test_grad_through_microbatch_costs_one_microbatch_of_memory():
     params = [random_array(0, (64, 128), jnp.float32), random_array(1, (128, 16), jnp.float32)]
     temps = {}
@@ -263,6 +264,7 @@ def test_l2_clip_norm_with_zero_gradients_and_keep_batch_dim_false():
     assert_close(grads, 4 * 10 * jnp.ones(3) / jnp.sqrt(300.0))
 
 
+@pytest.mark.compiled
 def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     params = [random_array(0, (64, 256), jnp.float32), random_array(1, (256, 16), jnp.float32)]
     x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
@@ -439,6 +441,7 @@ def test_differentiating_a_batch_argument_gives_the_per_example_sum():
         assert_close(grads[1], want, terms=8)
 
 
+@pytest.mark.compiled
 def test_grad_with_a_traced_count_keeps_one_microbatch_of_memory():
     w = jnp.ones((256, 256)) / 256
 

@@ -13,6 +13,8 @@ from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
 
 from .strategies import clipper
 
+pytestmark = pytest.mark.compiled  # facts of the compiled program (`make test` runs these apart)
+
 DTYPE = jnp.float32  # explicit, so that JAX_ENABLE_X64=1 does not double every size
 ITEMSIZE = jnp.dtype(DTYPE).itemsize
 W = jnp.ones((64, 64), DTYPE) / 64

@@ -654,6 +654,77 @@ def test_a_float64_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipp
         assert np.linalg.norm(got) <= 1e-3 * (1 + 1e-12), method
 
 
+def _gained_loss(p, x, v):
+    return jnp.sum((x[0] @ (p * 2.0**64)) * v[0])  # a gain of 2**64 before the site
+
+
+def _divided_loss(p, x, v):
+    return jnp.sum((x[0] / p[None]) * v[0])  # the site reads w, not a product with it
+
+
+def _beside_an_unclipped_example(model: str) -> tuple[Callable[..., Any], Any, Any, Any]:
+    """Two examples: the first of norm 0.5 (factor 1), the second of a norm about 1e19
+    whose first entry is exactly 0, two rows cancelling at data 1 and ``2**k``. Its
+    factor takes the second row's cotangent below ``tiny``, and a sum that loses it
+    adds the first row alone."""
+    x, v = (
+        np.zeros((2, 2, 1 if model == "gain" else 2), np.float32),
+        np.zeros((2, 2, 2), np.float32),
+    )
+    if model == "gain":
+        p = jnp.full((1, 2), 2.0**-40, jnp.float32)
+        x[0], v[0] = [[1.0], [0.0]], [[0.0, 0.5 * 2.0**-64], [0.0, 0.0]]
+        x[1], v[1] = [[1.0], [2.0**64]], [[1.0, 0.27], [-(2.0**-64), 0.0]]
+        return _gained_loss, p, x, v
+    p = jnp.full((2,), 2.0**-40, jnp.float32)
+    x[0], v[0] = [[0.0, 1.0], [0.0, 0.0]], [[0.0, -0.5 * 2.0**-80], [0.0, 0.0]]
+    x[1], v[1] = [[1.0, 1.0], [2.0**60, 0.0]], [[1.0, 1e20 * 2.0**-80], [-(2.0**-60), 0.0]]
+    return _divided_loss, p, x, v
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "statistics"])
+@pytest.mark.parametrize("model", ["gain", "divide"])
+def test_a_gain_or_a_division_at_the_site_does_not_hide_an_underflow(model: str, method: Any):
+    """Found by a breaker: the bound took every site for a product of data and weight
+    entries, read straight from the leaf. With the weight times ``2**64`` before the
+    site, or divided into the data (``x / w``), a lost cotangent moves the gradient by
+    far more than ``tiny`` times the data, the check kept book-keeping, and the second
+    example added 3.8 ``C`` (gain) and 12089 ``C`` (division); the statistics method
+    the same. Such sites now take the per-example sum wherever an entry is lost."""
+    loss, p, x, v = _beside_an_unclipped_example(model)
+    options: dict[str, Any] = {"clip_method": method}
+    if method == "statistics":
+        options["transform_fn"] = lambda g: (g, jax.tree.map(jnp.square, g))
+    fn = jax.jit(micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=1.0, **options))
+    got = fn(p, jnp.asarray(x), jnp.asarray(v))[0]
+    alone = fn(p, jnp.asarray(x), jnp.asarray(v), example_weights=jnp.asarray([1.0, 0.0]))[0]
+    if method == "statistics":
+        got, alone = got[0], alone[0]
+    added = np.asarray(got, np.float64) - np.asarray(alone, np.float64)
+    each = np.asarray(jax.grad(loss)(p, x[1:], v[1:]), np.float64)
+    np.testing.assert_allclose(added, each / np.linalg.norm(each), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.x64
+def test_a_float64_gain_before_the_site_does_not_hide_an_underflow():
+    """The gain in float64: ``2**560`` before the site; the example added ``1.1e12 C``."""
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("float64 models need JAX_ENABLE_X64=1 (make test-x64)")
+    gain = 2.0**560
+
+    def loss(p, x, v):
+        return jnp.sum((x[0] @ (p * gain)) * v[0])
+
+    p = jnp.full((1, 2), 1 / gain, jnp.float64)
+    x, v = np.zeros((2, 2, 1)), np.zeros((2, 2, 2))
+    x[0], v[0] = [[1.0], [0.0]], [[0.0, 0.5 / gain], [0.0, 0.0]]
+    x[1], v[1] = [[1.0], [gain]], [[1.0, 2.0**-40], [-1 / gain, 0.0]]
+    fn = jax.jit(micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=1.0, clip_method="ghost"))
+    got = np.asarray(fn(p, x, v)[0])
+    # The first example adds its gradient (0, 0.5); the second its direction, (0, 1).
+    np.testing.assert_allclose(got, [[0.0, 1.5]], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.x64
 @pytest.mark.parametrize("method", ["auto", "ghost"])
 def test_a_float64_example_beside_an_unclipped_one_takes_the_per_example_sum(method: Any):

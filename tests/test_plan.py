@@ -28,6 +28,8 @@ from microbatching import (
 
 from .strategies import assert_close, random_array
 
+pytestmark = pytest.mark.compiled  # facts of the compiled program (`make test` runs these apart)
+
 DTYPE = jnp.float32  # explicit, so that JAX_ENABLE_X64=1 does not double every size
 BATCH, FEATURES, HIDDEN = 64, 16, 64
 PARAMS = [jax.ShapeDtypeStruct(s, DTYPE) for s in [(FEATURES, HIDDEN), (HIDDEN, 1)]]

@@ -172,6 +172,7 @@ def test_microbatch_concat_of_results_that_are_not_rows():
         )
 
 
+@pytest.mark.compiled
 @pytest.mark.x64
 def test_a_divisible_batch_compiles_to_the_same_program():
     x = random_array(0, (12, 3), F32)
@@ -191,6 +192,7 @@ def _while_loops(fun, *args, **kwargs) -> int:
     return len(re.findall(r"\swhile\(", text))
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("weights", [False, True])
 def test_a_remainder_runs_in_the_one_loop(weights):
     x, y = random_array(0, (1797, 3), F32), random_array(1, (1797,), F32)
@@ -210,6 +212,7 @@ def _temp_bytes(fun, *args, **kwargs) -> int:
     return analysis.temp_size_in_bytes
 
 
+@pytest.mark.compiled
 def test_the_padded_loop_holds_one_microbatch():
     features, microbatch_size = 64, 128
     w = jnp.ones((features, features), F32) / features
@@ -236,6 +239,7 @@ def test_the_padded_loop_holds_one_microbatch():
     assert weighted_large - weighted_small <= 8 * (256 - 32) * 128
 
 
+@pytest.mark.compiled
 def test_gradients_through_weighted_loops_hold_one_microbatch():
     features = 64
     w = jnp.ones((features, features), F32) / features

@@ -510,6 +510,7 @@ def _fsdp_step(axis_type: AxisType, **options: Any) -> tuple[Any, Any, str, int]
     return got, want, hlo, analysis.temp_size_in_bytes
 
 
+@pytest.mark.compiled
 def test_param_specs_give_an_auto_mesh_the_explicit_layout():
     """Inside ``jit`` on an Auto mesh the parameters' layout cannot be read: with
     ``param_specs`` the gradients are reduce-scattered per microbatch into a sum sharded

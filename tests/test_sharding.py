@@ -19,6 +19,8 @@ from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch, 
 
 from .strategies import SIN_W, SIN_X, assert_close, clipped_sin_sum, clipper, random_array, sin_loss
 
+pytestmark = pytest.mark.compiled  # facts of the compiled program (`make test` runs these apart)
+
 MOVES_DATA = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
 W = random_array(0, (16, 16), jnp.float32) / 4

@@ -366,6 +366,7 @@ def test_norm_metrics_with_a_transform():
 # --- 5. no per-example gradients in memory ----------------------------------------------
 
 
+@pytest.mark.compiled
 def test_the_statistics_form_no_per_example_gradients():
     rng = np.random.default_rng(0)
     params = [jnp.asarray(rng.normal(size=s) / 16, jnp.float32) for s in [(256, 256), (256, 10)]]

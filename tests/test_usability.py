@@ -35,6 +35,7 @@ def _lines(text: str, name: str) -> list[str]:
         lambda p: micro_grad(loss, microbatch_size=4, progress=p),
     ],
 )
+@pytest.mark.compiled
 def test_progress_off_leaves_no_callback_in_the_program(make):
     fun_off, fun_on = make(False), make(True)
     args = (W, X) if fun_off.__name__ == "loss" else (X,)

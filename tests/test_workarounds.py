@@ -14,6 +14,8 @@ from microbatching import _convs, _layout, _workarounds, micro_grad
 
 from .strategies import assert_close
 
+pytestmark = pytest.mark.compiled  # facts of the compiled program (`make test` runs these apart)
+
 OFF = _workarounds.Workaround("no-such-backend", (), None, "")
 
 

@@ -60,6 +60,26 @@ ADDITIVE = {"add", "sub", "add_any"}
 """Sites whose product with a cotangent does not read their inputs (a bias added to an
 activation): their data inputs are not kept."""
 
+BILINEAR = {"dot_general", "conv_general_dilated", "mul"}
+"""Sites whose every output entry is a sum of products of one data entry and one entry
+of the free input: a change of ``d`` in one output cotangent moves the free input's
+gradient by at most ``d`` times the sum of the data's magnitudes."""
+
+SELECTING = ADDITIVE | {"gather", "dynamic_slice", "select_n", "concatenate", "pad"}
+"""Sites whose every output entry is one entry of the free input, or of the data, or
+their sum: a change of ``d`` in one output cotangent moves the free input's gradient by
+at most ``d``."""
+
+NON_EXPANDING = SHAPE_ONLY | {
+    "broadcast_in_dim", "convert_element_type", "slice", "concatenate", "pad", "rev",
+    "gather", "dynamic_slice", "neg", "add", "sub", "add_any", "select_n",
+}  # fmt: skip
+"""Steps of the parameters-only program whose transpose moves a cotangent's sum of
+magnitudes by at most a factor of 1 (each output entry a copy of one input entry, a
+sum of inputs, or 0). After any other step (a multiple of a weight, a division, a
+norm), nothing bounds how much the pull-back amplifies a change of a site's
+cotangent."""
+
 USER_CODE_AT_SITE = _programs.USER_TRANSPOSES | {"custom_jvp_call"}
 """Sites whose product with their cotangent may run code that the user supplies: the
 transposes of ``_programs.USER_TRANSPOSES``, and a ``custom_jvp`` call, whose rule may
@@ -112,6 +132,7 @@ class Site:
     data: tuple[int, ...]  # input positions that depend on the example
     linear: bool
     same_as: int | None = None  # a later site whose output cotangent is this site's
+    bounded: bool = True  # underflow_risk's bound holds: BILINEAR or SELECTING, no gain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +266,27 @@ def _find_sites(program: Program) -> None:
             program.sites.append(Site(index, free, data, linear))
     _share_cotangents(program)
     _nonlinear_parameters(program)
+    _unbounded_sites(program)
+
+
+def _unbounded_sites(program: Program) -> None:
+    """Marks as not ``bounded`` every site that is neither ``BILINEAR`` nor
+    ``SELECTING``, or whose free inputs come through a parameters-only step that is not
+    ``NON_EXPANDING`` (``w * 2**64``, ``w / ||w||``): there ``underflow_risk`` cannot
+    bound what a cotangent lost to underflow moves the gradient by."""
+    amplified: set[int] = set()
+    for e in program.eqns:
+        if not all(program.free(a) for a in e.ins):
+            continue
+        keys = [a for a in e.ins if not isinstance(a, Const)]
+        if e.primitive.name not in NON_EXPANDING or any(a in amplified for a in keys):
+            amplified.update(e.outs)
+    for k, site in enumerate(program.sites):
+        e = program.eqns[site.eqn]
+        if e.primitive.name not in BILINEAR | SELECTING or any(
+            e.ins[p] in amplified for p in site.free
+        ):
+            program.sites[k] = dataclasses.replace(site, bounded=False)
 
 
 def _nonlinear_parameters(program: Program) -> None:
@@ -1040,12 +1082,13 @@ def underflow_risk(
     Rounding in the normal range costs ``u`` relative per entry, as in the gradient
     itself. An entry ``c g`` below the dtype's smallest normal number ``tiny`` is
     rounded to a multiple of the smallest subnormal, or flushed to 0: off by at most
-    ``tiny``. At a site whose every output entry is a sum of products of one data
-    entry and one parameter entry (a dot, a convolution, a product, a lookup), an
-    entry's error moves the parameters' gradient by at most ``tiny`` times the sum of
-    the magnitudes of the example's data at the site (1 for integer data, the ids of
-    a lookup). The bound is ``tiny`` times that sum, times the count of such entries,
-    summed over the sites. A factor of 0 leaves the example out and loses nothing.
+    ``tiny``. At a ``BILINEAR`` site (a dot, a convolution, a product) an entry's
+    error moves the parameters' gradient by at most ``tiny`` times the sum of the
+    magnitudes of the example's data at the site; at a ``SELECTING`` one (a lookup, an
+    added bias) by at most ``tiny``. The bound is ``tiny`` times that sum (or 1),
+    times the count of such entries, summed over the sites. At a site that is not
+    ``bounded`` (another primitive, or a gain between the leaf and the site) any lost
+    entry is a risk. A factor of 0 leaves the example out and loses nothing.
 
     The bound is kept in float32 or the factor's wider dtype: float64's ``tiny`` is 0 in
     float32. A site that loses nothing adds 0 even where its data sum overflowed (no
@@ -1055,13 +1098,16 @@ def underflow_risk(
     bound = jnp.zeros((rows,), wide)
     c = jnp.abs(factor).astype(wide)
     for k in sites:
-        data = jnp.zeros((rows,), wide)
-        for a in seen.inputs[k]:
-            if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-                flat = jnp.abs(jnp.reshape(a, (rows, -1))).astype(wide)
-                data = data + jnp.sum(flat, axis=1)
-            else:
-                data = data + 1
+        site = program.sites[k]
+        name = program.eqns[site.eqn].primitive.name
+        if not site.bounded:
+            data = jnp.full((rows,), jnp.inf, wide)
+        elif name in BILINEAR:
+            data = jnp.zeros((rows,), wide)
+            for a in seen.inputs[k]:
+                data = data + jnp.sum(jnp.abs(jnp.reshape(a, (rows, -1))).astype(wide), axis=1)
+        else:
+            data = jnp.ones((rows,), wide)
         lost = jnp.zeros((rows,), wide)
         for g in seen.cotangents[k]:
             tiny = jnp.finfo(jnp.result_type(g)).tiny

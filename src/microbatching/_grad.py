@@ -118,13 +118,14 @@ def micro_grad(
       nan_safe: With ``l2_clip_norm``, an example whose gradient norm is not finite
         (NaN or inf) contributes zero instead of making the sum NaN; the norms in
         ``Aux.metrics`` (``metrics_fn=l2_norm``) show which examples those were.
+        ``clip_method`` ``"two_pass"`` and ``"chunked"`` cannot, and refuse it.
       clip_method: How the clipped sum and the norms are computed with the default
-        ``transform_fn`` and SUM or MEAN. Every method clips by each example's norm
-        to 1e-5 relative in float32. What they add differs in rounding: where an
-        example's rows cancel, the ghost methods add a gradient rounded in the
-        model's dtype, and not every method certifies what a clip factor that takes a
-        cotangent below the dtype's smallest normal number loses (the DP guide's
-        "What the library guarantees" says which does, on one device and on a mesh):
+        ``transform_fn`` and SUM or MEAN. They differ in rounding where an example's
+        rows cancel (the ghost methods add a gradient rounded in the model's dtype)
+        and in what they certify when a clip factor takes a cotangent below the
+        dtype's smallest normal number. Only ``"materialize"`` bounds each example's
+        contribution by the bound on every input; the DP guide's "What the library
+        guarantees" says what each of the others leaves:
 
         - ``"ghost"``: each parameter's per-example norm is read off the traced program
           of one example's loss, from the inputs and output cotangents of the layers
@@ -132,7 +133,7 @@ def micro_grad(
           the clipped sum is one more product per layer at the scaled cotangents.
         - ``"two_pass"``: ghost norms, then the gradient of the loss weighted by the
           clip factors.
-        - ``"chunked"``: per-example gradients a chunk of rows at a time for the norms,
+        - ``"chunked"``: per-example gradients a chunk of examples at a time for the norms,
           then that weighted gradient.
         - ``"materialize"``: per-example gradients, scaled and summed.
         - ``"statistics"``: ``transform_fn`` and ``metrics_fn`` read off their traced

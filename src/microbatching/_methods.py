@@ -482,15 +482,15 @@ def _statistics_plan(
 
 
 _MIXES_ROWS = (
-    "micro_grad gives the loss each example alone, as a batch of one row "
-    "(keep_batch_dim=True, the default), and this loss computes a statistic over the batch "
-    "axis and applies it back to the rows (at `{primitive}`): a BatchNorm layer, a softmax "
-    "over the examples, a rescaling of each row by a batch total. The statistic is then "
-    "each example's own and the result differs from the whole batch's (a "
-    "BatchNorm over dense features outputs its bias whatever the input). For per-example "
-    "gradients and DP-SGD normalise each example on its own (GroupNorm, LayerNorm) or "
-    "compute the statistic outside the loss; for gradient accumulation over the batch's "
-    "statistics per microbatch, take jax.grad of microbatch(loss) instead."
+    "micro_grad gives the loss each example alone, as a batch of one row, and this loss "
+    "computes a statistic over the batch axis and applies it back to the rows (first seen "
+    "at the primitive `{primitive}`): a BatchNorm layer, a softmax over the examples, a rescaling "
+    "of each row by a batch total. The statistic is then each example's own and the result "
+    "differs from the whole batch's (a BatchNorm over dense features outputs its bias "
+    "whatever the input). For per-example gradients and DP-SGD normalise each example on "
+    "its own (GroupNorm, LayerNorm) or compute the statistic outside the loss (for DP, from "
+    "public data only); for gradient accumulation with statistics per microbatch, take "
+    "jax.grad of microbatch(loss) instead (docs/how-to/stateful-models.md)."
 )
 
 
