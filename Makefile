@@ -18,8 +18,11 @@ QUICK_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0"
 # converts and loops of convolutions, so the `compiled` tests run apart at the default.
 FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # One compilation cache for the workers of one run, deleted after it: a program that
-# several tests compile (a reference, a shared model) is compiled once.
-RUN_CACHE := JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# several tests compile (a reference, a shared model) is compiled once. A size limit makes
+# JAX lock the cache's files (filelock), so that one worker never reads another's half-
+# written entry.
+RUN_CACHE := JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	JAX_COMPILATION_CACHE_MAX_SIZE=8589934592
 
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
 
