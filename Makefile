@@ -17,12 +17,6 @@ QUICK_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0"
 # compile time; those facts, and results up to float rounding, are the same but for bf16
 # converts and loops of convolutions, so the `compiled` tests run apart at the default.
 FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-# One compilation cache for the workers of one run, deleted after it: a program that
-# several tests compile (a reference, a shared model) is compiled once. A size limit makes
-# JAX lock the cache's files (filelock), so that one worker never reads another's half-
-# written entry.
-RUN_CACHE := JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
-	JAX_COMPILATION_CACHE_MAX_SIZE=8589934592
 
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
 
@@ -45,8 +39,8 @@ test: lint docs
 	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers, then the tests of compiled facts ([done/total] ends each line)"
 	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	  set -x && \
-	  $(FAST_CODEGEN) $(RUN_CACHE) JAX_COMPILATION_CACHE_DIR=$$cache $(PYTEST) -m "not compiled" && \
-	  $(QUICK_CODEGEN) $(RUN_CACHE) JAX_COMPILATION_CACHE_DIR=$$cache $(PYTEST) -m compiled tests
+	  $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m "not compiled" && \
+	  $(QUICK_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m compiled tests
 	$(MAKE) --no-print-directory test-x64
 
 # The dtype-sensitive tests (marker x64) again with 64-bit JAX.

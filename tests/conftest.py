@@ -1,4 +1,7 @@
-"""Test-wide settings: 8 fake CPU devices, strict rank promotion, no hypothesis deadline."""
+"""Test-wide settings: 8 fake CPU devices, strict rank promotion, no hypothesis deadline,
+and the compilation cache of `make test`."""
+
+import os
 
 import jax
 from hypothesis import settings
@@ -9,3 +12,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # An example's first call compiles, so its time says nothing about the code: no deadline.
 settings.register_profile("microbatching", deadline=None)
 settings.load_profile("microbatching")
+
+# `make test` names a folder for the run (MICROBATCHING_TEST_CACHE, deleted after it): each
+# worker keeps its own compilation cache there, so a program that several of its tests
+# compile (a reference, a shared model) compiles once. One folder per worker, because JAX
+# writes an entry in place, and a worker could read another's half-written one.
+if os.environ.get("MICROBATCHING_TEST_CACHE"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    jax.config.update(
+        "jax_compilation_cache_dir", os.path.join(os.environ["MICROBATCHING_TEST_CACHE"], worker)
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
