@@ -45,7 +45,7 @@ test: lint docs
 
 # The dtype-sensitive tests (marker x64) again with 64-bit JAX.
 test-x64: $(STAMP)
-	@echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1, a line per test (1 to 3 min)"
+	@echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1, a line per test (about 3.5 min on 2 idle cores)"
 	JAX_ENABLE_X64=1 $(PYTEST) -v -m x64 tests
 
 # The site, from docs/ and the docstrings, into site/; warnings are errors (mkdocs.yml).
