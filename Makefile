@@ -14,8 +14,9 @@ PYTEST := $(BIN)/pytest -n $(WORKERS) --dist worksteal --durations=15 --duration
 QUICK_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0"
 # The tests that do not check a fact of the compiled program (marker `compiled`: temp bytes,
 # the HLO) are also compiled with XLA:CPU's legacy emitters, which take about half the
-# compile time; those facts, and results up to float rounding, are the same but for bf16
-# converts and loops of convolutions, so the `compiled` tests run apart at the default.
+# compile time. Results agree up to float rounding, but some compiled facts move (bf16
+# converts, loops of convolutions, temp bytes and so plan's choice), so the `compiled`
+# tests run apart at the default emitters (docs/internals.md, "The suite's speed").
 FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
