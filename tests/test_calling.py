@@ -255,6 +255,20 @@ def test_mismatched_batch_sizes_name_the_users_parameters():
         micro_vmap(two, (None, 0, 0), microbatch_size=2)(W, A, jnp.ones(6))
 
 
+def test_a_bound_below_the_smallest_normal_number_is_refused_when_traced():
+    """Found by a breaker: XLA flushes a subnormal bound to 0, and an example whose
+    gradient is 0 then made the whole sum NaN."""
+    fn = micro_grad(lambda w, x: jnp.sum(x @ w), microbatch_size=2, l2_clip_norm=1e-40)
+    message = (
+        r"l2_clip_norm holds 1e-40, below float32's smallest normal number 1.175e-38, in "
+        r"which the norms are computed: XLA may flush it to 0, and an example whose "
+        r"gradient is 0 would then make the sum NaN. Pass a bound of at least 1.175e-38, "
+        r"scaling the loss by a power of two if you need a smaller one."
+    )
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(fn, W, A)
+
+
 def test_missing_batch_argument_of_micro_grad_names_it():
     with pytest.raises(
         TypeError,

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import strategies as st
 
 import microbatching
-from microbatching import _ghost, micro_grad
+from microbatching import _clipping, _ghost, micro_grad
 
 RATIOS = (1e1, 1e2, 1e3, 1e4, 1e5, 1e6)
 """One example per ratio ``||u|| / ||d||``."""
@@ -771,3 +771,115 @@ def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_
         each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
         want = want + each * min(1.0, clip / np.linalg.norm(each))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+
+
+def _largest_entry(g: Any) -> jax.Array:
+    """A ``metrics_fn`` that reads the gradients (``l2_norm`` would not)."""
+    return jnp.max(jnp.abs(g))
+
+
+def test_auto_with_a_metrics_fn_that_reads_the_gradients_still_bounds_underflow():
+    """Found by a breaker: with a ``metrics_fn`` that needs the gradients, ``auto`` took
+    ``chunked``, which differentiates the factor-weighted loss, and the example beside an
+    unclipped one entered at 3000 ``C``. Clipped, it now forms and clips each gradient."""
+    x, s = _lost_to_underflow(3e38, 1e-35)
+    x = np.concatenate([x, np.asarray([[[1e-4, 0.0], [0.0, 0.0]]], np.float32)])
+    s = np.concatenate([s, np.asarray([[1.0, 0.0]], np.float32)])
+    clip, w = 1e-3, jnp.full((2, 1), 1e-3, jnp.float32)
+    fn = micro_grad(
+        _first_column_loss, batch_argnums=(1, 2), l2_clip_norm=clip, metrics_fn=_largest_entry
+    )
+    report = microbatching.clipping_report(fn, w, jnp.asarray(x), jnp.asarray(s))
+    assert report.method == "materialize", str(report)
+    got, aux = jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))
+    want, largest = 0.0, []
+    for b in range(2):
+        each = np.asarray(jax.grad(_first_column_loss)(w, x[b : b + 1], s[b : b + 1]), np.float64)
+        largest.append(np.max(np.abs(each)))
+        want = want + each.ravel() * min(1.0, clip / np.linalg.norm(each))
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64).ravel(), want, rtol=1e-5, atol=3000 * clip * 2.0**-23
+    )
+    np.testing.assert_allclose(np.asarray(aux.metrics, np.float64), largest, rtol=1e-6, atol=0)
+
+
+def test_auto_with_a_metrics_fn_that_reads_the_gradients_keeps_per_layer_bounds_and_nan_safe():
+    """Found by a breaker: the same ``chunked`` scaled each example's whole gradient by
+    its first subtree's factor (a layer bounded by 0.01 got 3.5, an example 1.54 times the
+    sensitivity) and ignored ``nan_safe`` (a NaN sum). The reference clips each layer of
+    each ``jax.grad`` and drops the example whose gradient is not finite."""
+
+    def loss(p, x, y):
+        hidden = jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"])
+        return jnp.mean((jnp.sum(hidden, axis=(-1, -2)) - y) ** 2)
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(4, 5, 6)).astype(np.float32)
+    x[2, 0, 0] = np.nan
+    y = rng.normal(size=(4,)).astype(np.float32)
+    params = {k: jnp.asarray(rng.normal(size=(6, 6)) * 0.5, jnp.float32) for k in ("a", "b")}
+    bounds = {"a": 3.0, "b": 0.01}
+    fn = micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        microbatch_size=2,
+        l2_clip_norm=bounds,
+        nan_safe=True,
+        metrics_fn=lambda g: jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(g))),
+    )
+    got, _ = jax.jit(fn)(params, x, y)
+    want = {k: np.zeros((6, 6)) for k in bounds}
+    for b in range(4):
+        each = jax.grad(loss)(params, x[b : b + 1], y[b : b + 1])
+        if not all(np.all(np.isfinite(np.asarray(g))) for g in each.values()):
+            continue
+        for k, bound in bounds.items():
+            g = np.asarray(each[k], np.float64)
+            want[k] += g * min(1.0, bound / np.linalg.norm(g))
+    for k in bounds:
+        np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=1e-5, atol=1e-7)
+
+
+def _rounding_loss(p, x, c):
+    """A loss whose backward pass rounds its cotangent (1 bit of mantissa)."""
+    rounded = jax.lax.reduce_precision(x @ p, exponent_bits=8, mantissa_bits=1)
+    return jnp.sum(rounded * c)
+
+
+def test_a_backward_pass_that_rounds_is_not_scaled_by_the_weights():
+    """Found by a breaker: ``reduce_precision`` rounds its cotangent, so the gradient of
+    the weighted loss is not the weighted sum of the gradients (``round(0.63 g)`` is
+    ``0.75 g``: an example entered at 1.19 ``C`` under ``two_pass``). The methods that
+    scale the loss now refuse it, and ``auto`` weighs each example's own gradient."""
+    w = jnp.zeros((4, 4), jnp.float32)
+    x, c = jnp.ones((2, 1, 4), jnp.float32), jnp.ones((2, 1, 4), jnp.float32)
+    weights = jnp.asarray([0.63, 0.0], jnp.float32)
+    with pytest.raises(ValueError, match="clip_method='two_pass', which takes the gradient"):
+        micro_grad(_rounding_loss, batch_argnums=(1, 2), l2_clip_norm=2.52, clip_method="two_pass")(
+            w, x, c
+        )
+    got = micro_grad(_rounding_loss, batch_argnums=(1, 2))(w, x, c, example_weights=weights)[0]
+    want = 0.63 * np.asarray(jax.grad(_rounding_loss)(w, x[:1], c[:1]), np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=0)
+    clipped = micro_grad(_rounding_loss, batch_argnums=(1, 2), l2_clip_norm=2.52)
+    total = clipped(w, x, c, example_weights=jnp.asarray([1.0, 0.0]))[0]
+    np.testing.assert_allclose(float(jnp.linalg.norm(total)), 2.52, rtol=1e-6, atol=0)
+
+
+@pytest.mark.x64
+def test_times_power_and_halve_are_exact_over_the_exponent_range():
+    """``x * 2**k`` against numpy's ``ldexp`` for every ``k`` that keeps the result
+    normal, and ``floor(k / 2)`` for negative and positive ``k``; float32 (and float64
+    under x64)."""
+    ks = np.arange(-300, 301, dtype=np.int32)
+    np.testing.assert_array_equal(np.asarray(_clipping.halve(jnp.asarray(ks))), ks // 2)
+    dtypes = [np.float32] + ([np.float64] if jax.config.read("jax_enable_x64") else [])
+    for dtype in dtypes:
+        info = np.finfo(dtype)
+        top = info.maxexp
+        k = np.arange(-3 * top, 3 * top + 1).astype(np.int32 if dtype == np.float32 else np.int64)
+        for x in (1.0, 1.5, info.tiny, 0.75 * float(info.max)):
+            exact = np.ldexp(np.asarray(x, np.float64), k.astype(np.int64))
+            normal = (np.abs(exact) >= info.tiny) & (np.abs(exact) <= info.max)
+            got = np.asarray(_clipping.times_power(jnp.full(k.shape, x, dtype), jnp.asarray(k)))
+            np.testing.assert_array_equal(got[normal], exact[normal].astype(dtype))

@@ -299,8 +299,9 @@ def _nonlinear_parameters(program: Program) -> None:
         if not all(program.free(a) for a in e.ins):
             continue
         keys = [a for a in e.ins if not isinstance(a, Const)]
-        nonlinear = e.primitive.name in USER_CODE_AT_SITE | {"reduce_precision"} or any(
-            _programs.calls(inner, USER_CODE_AT_SITE | {"reduce_precision"}) for inner in _bodies(e)
+        rounds = USER_CODE_AT_SITE | _programs.ROUNDING
+        nonlinear = e.primitive.name in rounds or any(
+            _programs.calls(inner, rounds) for inner in _bodies(e)
         )
         if nonlinear or any(a in tainted for a in keys):
             tainted.update(e.outs)
@@ -1060,11 +1061,13 @@ def to_unit(factors: jax.Array) -> tuple[jax.Array, jax.Array]:
     magnitude (``2^(e-1) <= max < 2^e``), and ``2^e``; ``2^e`` is 1 where the largest is
     0 or not finite. Both exact. Scaling by the first, then by ``2^e``, runs a backward
     pass at cotangents no smaller than the loss's own for the example of the largest
-    factor, so that clip factors far below 1 do not push them below ``tiny``."""
+    factor, so that clip factors far below 1 do not push them below ``tiny``. A largest
+    factor below ``tiny`` counts as ``tiny`` (``_clipping.exponent``)."""
     top = jnp.max(jnp.abs(factors))
-    _, exponent = jnp.frexp(top)
-    exponent = jnp.where((top > 0) & jnp.isfinite(top), exponent, 0)
-    return jnp.ldexp(factors, -exponent), jnp.ldexp(jnp.ones((), factors.dtype), exponent)
+    usable = (top > 0) & jnp.isfinite(top)
+    exponent = jnp.where(usable, _clipping.exponent(jnp.where(usable, top, 1)), 0)
+    one = jnp.ones((), factors.dtype)
+    return _clipping.times_power(factors, -exponent), _clipping.times_power(one, exponent)
 
 
 def underflow_risk(
@@ -1278,7 +1281,7 @@ def _balance(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     both = finite & (mx > 0) & (mg > 0)
     ex = _clipping.exponent(jnp.where(both, mx, 1))
     eg = _clipping.exponent(jnp.where(both, mg, 1))
-    k = jnp.where(both, (ex - eg) // 2, 0)
+    k = jnp.where(both, _clipping.halve(ex - eg), 0)
     lowest = jnp.iinfo(ex.dtype).min
     top_x = jnp.max(jnp.where(both, ex - k, lowest), initial=lowest)
     top_g = jnp.max(jnp.where(both, eg + k, lowest), initial=lowest)
@@ -1291,10 +1294,10 @@ def _balance(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     one = jnp.ones((), xs.dtype)
     bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
     scales = (
-        jnp.where(usable, _clipping.times_power(one, top_x // 2), bad),
-        _clipping.times_power(one, top_g // 2),
-        _clipping.times_power(one, top_x - top_x // 2),
-        _clipping.times_power(one, top_g - top_g // 2),
+        jnp.where(usable, _clipping.times_power(one, _clipping.halve(top_x)), bad),
+        _clipping.times_power(one, _clipping.halve(top_g)),
+        _clipping.times_power(one, top_x - _clipping.halve(top_x)),
+        _clipping.times_power(one, top_g - _clipping.halve(top_g)),
     )
     return shift_x, shift_g, kept, scales
 
@@ -1314,7 +1317,7 @@ def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     m = jnp.max(jnp.abs(x), initial=0.0)
     usable = (m > 0) & jnp.isfinite(m)
     exponent = _clipping.exponent(jnp.where(usable, m, 1).astype(wide))
-    half = exponent // 2
+    half = _clipping.halve(exponent)
     one = jnp.ones((), wide)
     up = _clipping.times_power(one, half), _clipping.times_power(one, exponent - half)
     scaled = _clipping.times_power(x, -exponent)

@@ -143,8 +143,10 @@ def micro_grad(
         - ``"auto"`` (default): ``"ghost"`` or ``"materialize"``, whichever a cost
           model finds cheaper for the call, or ``"statistics"`` for a
           ``transform_fn`` or ``metrics_fn`` it can read where the same cost model finds
-          it cheaper than forming the per-example gradients;
-          ``clipping_report`` says which, and why.
+          it cheaper than forming the per-example gradients. Where the gradients
+          must be formed (a ``metrics_fn`` that reads them, a loss the ghost norms
+          cannot read) it takes ``"materialize"`` when clipping and ``"chunked"``
+          otherwise; ``clipping_report`` says which, and why.
       accumulation_dtype: See ``microbatch``.
       batch_mesh_axes: See ``micro_vmap``.
       gather_params: Where differentiated arguments sharded over the batch's mesh axes

@@ -299,8 +299,9 @@ _NO_GHOST = (
 _NOT_LINEAR = (
     "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
     "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
-    "the per-example gradients here (a value narrower than its accumulation dtype, or a "
-    "custom VJP that is not linear in its cotangent). Pass clip_method='auto' or "
+    "the per-example gradients here (a value narrower than its accumulation dtype, a "
+    "custom VJP that is not linear in its cotangent, or lax.reduce_precision, which "
+    "rounds it). Pass clip_method='auto' or "
     "'ghost'."
 )
 
@@ -380,16 +381,12 @@ def plan(
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
             "gives the norms without them)"
         )
-        return (
-            each(CHUNKED, "per-example", why) if exact() else each(MATERIALIZE, "per-example", why)
-        )
+        return each(_forming(request, exact), "per-example", why)
     program = _per_example.read_program(sums, args, kwargs)
     if isinstance(program, str):
         if asked in ("ghost", "two_pass"):
             raise ValueError(_NO_GHOST.format(method=asked, reason=program))
-        if exact():
-            return each(CHUNKED, "per-example", program)
-        return each(MATERIALIZE, "per-example", program)
+        return each(_forming(request, exact), "per-example", program)
     leaves = tuple(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
         for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
@@ -403,6 +400,16 @@ def plan(
     why = _ASKED if asked != "auto" else "the ghost norms read this loss"
     method = TWO_PASS if asked == "two_pass" else GHOST
     return GradPlan(method, f"{why}: {costs}", leaves, layout=layout)
+
+
+def _forming(request: GradRequest, exact: Callable[[], bool]) -> Method:
+    """``auto``'s method where the per-example gradients must be formed: ``chunked`` (a
+    chunk of examples at a time) where the summed loss's gradient is exact and nothing
+    is clipped, else ``materialize``. Clipped, ``chunked`` differentiates the
+    factor-weighted loss: one factor for the whole gradient (no per-layer bounds), no
+    ``nan_safe``, and cotangents that a small factor can flush below ``tiny``, which
+    ``materialize`` (each gradient formed, then clipped) bounds."""
+    return CHUNKED if request.clipping is None and exact() else MATERIALIZE
 
 
 _PER_EXAMPLE = "transform_fn, the accumulator or a batched argnums needs each example's gradient"

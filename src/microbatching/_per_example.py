@@ -643,7 +643,7 @@ def summed_is_exact(
       parameters, loss and intermediates, is narrower than the dtype the accumulation
       would give it (float16 would overflow, a clip factor or weight would be rounded);
     - when the examples are scaled (clip factors, weights, a padding mask), the backward
-      pass is linear in its cotangent: no ``_programs.USER_TRANSPOSES``. With all
+      pass is linear in its cotangent: no ``_programs.NOT_LINEAR_IN_COTANGENT``. With all
       cotangents 1 each example's backward pass is its own gradient's.
     """
     nums = sums.example.nums()
@@ -667,4 +667,4 @@ def summed_is_exact(
         wide = _accumulators.accumulation_dtype(dtype, sums.requested)
         if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
             return False
-    return not scaled or not _programs.calls(program, _programs.USER_TRANSPOSES)
+    return not scaled or not _programs.calls(program, _programs.NOT_LINEAR_IN_COTANGENT)

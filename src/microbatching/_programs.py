@@ -37,6 +37,14 @@ of ``custom_linear_solve`` is a solve, which an iterative solver with a toleranc
 not do linearly. (A ``custom_jvp_call`` is not here: its derivative is transposed by
 JAX, linearly. ``_ghost`` adds it for a reason of its own.)"""
 
+ROUNDING = {"reduce_precision"}
+"""A primitive that JAX transposes as linear, by applying itself to the cotangent, but
+that rounds: ``round(c g)`` is not ``c round(g)``, so a backward pass through it is not
+linear in its cotangent either."""
+
+NOT_LINEAR_IN_COTANGENT = USER_TRANSPOSES | ROUNDING
+"""What may make a backward pass non-linear in its cotangent."""
+
 _PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
 
 
