@@ -879,7 +879,8 @@ def test_times_power_and_halve_are_exact_over_the_exponent_range():
         top = info.maxexp
         k = np.arange(-3 * top, 3 * top + 1).astype(np.int32 if dtype == np.float32 else np.int64)
         for x in (1.0, 1.5, info.tiny, 0.75 * float(info.max)):
-            exact = np.ldexp(np.asarray(x, np.float64), k.astype(np.int64))
+            with np.errstate(over="ignore", under="ignore"):  # those are left out below
+                exact = np.ldexp(np.asarray(x, np.float64), k.astype(np.int64))
             normal = (np.abs(exact) >= info.tiny) & (np.abs(exact) <= info.max)
             got = np.asarray(_clipping.times_power(jnp.full(k.shape, x, dtype), jnp.asarray(k)))
             np.testing.assert_array_equal(got[normal], exact[normal].astype(dtype))
