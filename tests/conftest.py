@@ -4,6 +4,7 @@ and the compilation cache of `make test`."""
 import os
 
 import jax
+import pytest
 from hypothesis import settings
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -24,3 +25,17 @@ if os.environ.get("MICROBATCHING_TEST_CACHE"):
     )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The x64 run compiles with the legacy emitters and leaves the ``compiled`` tests
+    out (Makefile's test-x64): a test marked both would never see float64."""
+    both = [
+        i.nodeid for i in items if i.get_closest_marker("x64") and i.get_closest_marker("compiled")
+    ]
+    if both:
+        raise pytest.UsageError(
+            f"{', '.join(both)}: marked both x64 and compiled, so make test-x64 would skip "
+            "it. A fact of the lowered program (StableHLO) does not depend on XLA's flags: "
+            "drop `compiled`; one of the compiled program needs a run of its own."
+        )

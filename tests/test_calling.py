@@ -269,6 +269,22 @@ def test_a_bound_below_the_smallest_normal_number_is_refused_when_traced():
         jax.eval_shape(fn, W, A)
 
 
+def test_a_bound_beyond_the_largest_number_is_refused_and_one_just_inside_is_kept():
+    """1e39 is a finite Python float that rounds to inf in float32, where the norms are
+    computed: it used to clip nothing without a word (round 6 of the hostile tests)."""
+    fn = micro_grad(lambda w, x: jnp.sum(x @ w), microbatch_size=2, l2_clip_norm=1e39)
+    message = (
+        r"l2_clip_norm holds 1e\+39, above float32's largest number 3.403e\+38, in which the "
+        r"norms are computed: it would round to inf and clip nothing. Pass a bound of at "
+        r"most 3.403e\+38, or leave l2_clip_norm out to sum the gradients unclipped."
+    )
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(fn, W, A)
+    inside = micro_grad(lambda w, x: jnp.sum(x @ w), microbatch_size=2, l2_clip_norm=3e38)
+    grads, _ = inside(W, A)
+    assert_close(grads, jax.grad(lambda w: jnp.sum(A @ w))(W))
+
+
 def test_missing_batch_argument_of_micro_grad_names_it():
     with pytest.raises(
         TypeError,

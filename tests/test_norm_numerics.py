@@ -884,3 +884,20 @@ def test_times_power_and_halve_are_exact_over_the_exponent_range():
             normal = (np.abs(exact) >= info.tiny) & (np.abs(exact) <= info.max)
             got = np.asarray(_clipping.times_power(jnp.full(k.shape, x, dtype), jnp.asarray(k)))
             np.testing.assert_array_equal(got[normal], exact[normal].astype(dtype))
+
+
+@pytest.mark.x64
+def test_power_of_two_is_exact_over_the_normal_exponents_and_overflows_or_flushes_one_beyond():
+    """``2**k`` from its bits against numpy's ``ldexp``, for every ``k`` from ``minexp``
+    to ``maxexp - 1``; ``inf`` one above and 0 one below, as a product would give."""
+    dtypes = [np.float32] + ([np.float64] if jax.config.read("jax_enable_x64") else [])
+    for dtype in dtypes:
+        info = np.finfo(dtype)
+        ints = np.int32 if dtype == np.float32 else np.int64
+        k = np.arange(info.minexp, info.maxexp).astype(ints)
+        got = np.asarray(_clipping.power_of_two(jnp.asarray(k), dtype))
+        np.testing.assert_array_equal(got, np.ldexp(np.ones(k.shape, dtype), k.astype(np.int64)))
+        ends = np.asarray(
+            _clipping.power_of_two(jnp.asarray([info.minexp - 1, info.maxexp], ints), dtype)
+        )
+        np.testing.assert_array_equal(ends, np.asarray([0, np.inf], dtype))

@@ -172,8 +172,7 @@ def test_microbatch_concat_of_results_that_are_not_rows():
         )
 
 
-@pytest.mark.compiled
-@pytest.mark.x64
+@pytest.mark.x64  # the lowered StableHLO, which no XLA flag changes: not `compiled`
 def test_a_divisible_batch_compiles_to_the_same_program():
     x = random_array(0, (12, 3), F32)
     for make in (

@@ -92,9 +92,9 @@ def _scaled_norms(values: list[jax.Array], rows: int, dtype: Any) -> jax.Array:
     # from folding the scale out of the squares, where they would overflow again.
     bound = jnp.finfo(dtype).maxexp - 3  # 125 in float32, 1021 in float64
     k = jax.lax.optimization_barrier(jnp.clip(e, -bound, bound))
-    down = times_power(jnp.ones((rows,), dtype), -k)
+    down = power_of_two(-k, dtype)
     squares = sum(jnp.sum(jnp.square(v * _at_rows(down, v)), axis=_rest(v)) for v in values)
-    norms = times_power(jnp.sqrt(squares), k)
+    norms = jnp.sqrt(squares) * power_of_two(k, dtype)
     return jnp.where(usable, norms, largest)
 
 
@@ -105,6 +105,18 @@ def exponent(m: jax.Array) -> jax.Array:
     ints = jnp.int32 if info.bits == 32 else jnp.int64
     field = jax.lax.bitcast_convert_type(m, ints) >> info.nmant
     return jnp.maximum(field, 1) - (info.maxexp - 1) + 1
+
+
+def power_of_two(k: jax.Array, dtype: Any) -> jax.Array:
+    """``2**k`` in ``dtype``, built from its bits in three operations: exact for integers
+    ``k`` from ``minexp`` to ``maxexp - 1`` (-126 to 127 in float32), where it is a
+    normal number; ``inf`` at ``maxexp`` and 0 at ``minexp - 1``, as a product would
+    overflow or flush. ``k`` must have the width of ``dtype`` (``exponent``'s) and lie in
+    that range: beyond it the bits wrap. Where ``k`` can lie further out, ``times_power``."""
+    info = jnp.finfo(dtype)
+    k = jnp.asarray(k)
+    field = jax.lax.shift_left(k + (info.maxexp - 1), jnp.asarray(info.nmant, k.dtype))
+    return jax.lax.bitcast_convert_type(field, dtype)
 
 
 def times_power(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -184,6 +196,13 @@ _SUBNORMAL = (
 )
 
 
+_BEYOND_RANGE = (
+    "l2_clip_norm holds {bound!r}, above {dtype}'s largest number {top:.4g}, in which the "
+    "norms are computed: it would round to inf and clip nothing. Pass a bound of at most "
+    "{top:.4g}, or leave l2_clip_norm out to sum the gradients unclipped."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Clipping:
     """DP clipping as the user asked for it: the bound (one, or one per subtree of the
@@ -222,11 +241,13 @@ class Clipping:
         """``(rows, groups)``: each example's scale for each group, from the norms of its
         leaves ``(rows, leaves)``."""
         rows = norms.shape[0]
-        tiny = float(jnp.finfo(norms.dtype).tiny)
+        tiny, top = float(jnp.finfo(norms.dtype).tiny), float(jnp.finfo(norms.dtype).max)
         columns = []
         for group, bound in enumerate(bounds):
             if isinstance(bound, float) and bound < tiny:
                 raise ValueError(_SUBNORMAL.format(bound=bound, dtype=norms.dtype, tiny=tiny))
+            if isinstance(bound, float) and bound > top:
+                raise ValueError(_BEYOND_RANGE.format(bound=bound, dtype=norms.dtype, top=top))
             if not isinstance(bound, float):  # traced: a bound that is not positive,
                 # normal and finite makes the sum NaN, where it would silently flip or
                 # drop it

@@ -56,6 +56,11 @@ gradient has the norm of the site operand's."""
 
 NO_GRADIENT = {"stop_gradient"}
 
+ZERO_DERIVATIVE = NO_GRADIENT | {"sign", "floor", "ceil", "round", "is_finite"}
+"""Equations whose outputs carry no derivative back to their inputs: JAX's backward pass
+gives their inputs a symbolic zero, which adds nothing even where the data is not
+finite."""
+
 ADDITIVE = {"add", "sub", "add_any"}
 """Sites whose product with a cotangent does not read their inputs (a bias added to an
 activation): their data inputs are not kept."""
@@ -255,11 +260,12 @@ def _inlined_body(e: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
 
 
 def _find_sites(program: Program) -> None:
+    live = _differentiated(program)
     for index, e in enumerate(program.eqns):
         keys = [(p, a) for p, a in enumerate(e.ins) if not isinstance(a, Const)]
         free = tuple(p for p, a in keys if not program.data[a] and program.leaves[a])
         data = tuple(p for p, a in keys if program.data[a])
-        if free and data:
+        if free and data and any(out in live for out in e.outs):
             linear = e.primitive.name not in USER_CODE_AT_SITE and not any(
                 _programs.calls(inner, USER_CODE_AT_SITE) for inner in _bodies(e)
             )
@@ -267,6 +273,24 @@ def _find_sites(program: Program) -> None:
     _share_cotangents(program)
     _nonlinear_parameters(program)
     _unbounded_sites(program)
+
+
+def _differentiated(program: Program) -> set[int]:
+    """The values the differentiated output's cotangent reaches: an equation passes it
+    on from a floating output unless it is ``ZERO_DERIVATIVE``. A value it does not reach
+    (an aux output's head, a branch under ``stop_gradient``) gets a symbolic zero from
+    JAX, not a site: a zero cotangent times an input that is not finite would be NaN."""
+    live = {a for a in program.outs[:1] if not isinstance(a, Const)}
+    for e in reversed(program.eqns):
+        if e.primitive.name in ZERO_DERIVATIVE:
+            continue
+        if any(o in live and _inexact(program, o) for o in e.outs):
+            live.update(a for a in e.ins if not isinstance(a, Const))
+    return live
+
+
+def _inexact(program: Program, value: int) -> bool:
+    return jnp.issubdtype(getattr(program.avals[value], "dtype", np.int32), jnp.inexact)
 
 
 def _unbounded_sites(program: Program) -> None:
@@ -1066,8 +1090,9 @@ def to_unit(factors: jax.Array) -> tuple[jax.Array, jax.Array]:
     top = jnp.max(jnp.abs(factors))
     usable = (top > 0) & jnp.isfinite(top)
     exponent = jnp.where(usable, _clipping.exponent(jnp.where(usable, top, 1)), 0)
-    one = jnp.ones((), factors.dtype)
-    return _clipping.times_power(factors, -exponent), _clipping.times_power(one, exponent)
+    return _clipping.times_power(factors, -exponent), _clipping.power_of_two(
+        exponent, factors.dtype
+    )
 
 
 def underflow_risk(
@@ -1291,13 +1316,15 @@ def _balance(xs: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     kept = (both | ~usable)[..., None]
     shift_x = jnp.where(usable, -k - top_x, 0)[..., None]
     shift_g = jnp.where(usable, k - top_g, 0)[..., None]
-    one = jnp.ones((), xs.dtype)
     bad = jnp.max(jnp.where(finite, 0, mx + mg), initial=0.0)  # inf, or NaN
+    # top_x = ceil((ex + eg) / 2) and top_g = floor((ex + eg) / 2) lie in the exponents'
+    # range, so each half lies in [minexp / 2, maxexp / 2]: one exact power each.
+    half_x, half_g = _clipping.halve(top_x), _clipping.halve(top_g)
     scales = (
-        jnp.where(usable, _clipping.times_power(one, _clipping.halve(top_x)), bad),
-        _clipping.times_power(one, _clipping.halve(top_g)),
-        _clipping.times_power(one, top_x - _clipping.halve(top_x)),
-        _clipping.times_power(one, top_g - _clipping.halve(top_g)),
+        jnp.where(usable, _clipping.power_of_two(half_x, xs.dtype), bad),
+        _clipping.power_of_two(half_g, xs.dtype),
+        _clipping.power_of_two(top_x - half_x, xs.dtype),
+        _clipping.power_of_two(top_g - half_g, xs.dtype),
     )
     return shift_x, shift_g, kept, scales
 
@@ -1318,8 +1345,7 @@ def _scaled(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     usable = (m > 0) & jnp.isfinite(m)
     exponent = _clipping.exponent(jnp.where(usable, m, 1).astype(wide))
     half = _clipping.halve(exponent)
-    one = jnp.ones((), wide)
-    up = _clipping.times_power(one, half), _clipping.times_power(one, exponent - half)
+    up = _clipping.power_of_two(half, wide), _clipping.power_of_two(exponent - half, wide)
     scaled = _clipping.times_power(x, -exponent)
     return scaled, (jnp.where(usable, up[0], jnp.where(m > 0, m, 0)), jnp.where(usable, up[1], 1))
 

@@ -300,9 +300,9 @@ _NOT_LINEAR = (
     "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
     "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
     "the per-example gradients here (a value narrower than its accumulation dtype, a "
-    "custom VJP that is not linear in its cotangent, or lax.reduce_precision, which "
-    "rounds it). Pass clip_method='auto' or "
-    "'ghost'."
+    "custom VJP or JVP rule, which cannot be read as linear in its cotangent and which "
+    "jnp.linalg's solve, inv and slogdet use, or lax.reduce_precision, which rounds "
+    "it). Pass clip_method='auto' or 'ghost'."
 )
 
 
