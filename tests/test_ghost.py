@@ -1128,13 +1128,55 @@ def _dead_head(p, x, z):  # z meets its weight only in an output that is not dif
     return jnp.sum(jnp.tanh(x @ p["w"]) ** 2), jnp.mean(z @ p["head"])
 
 
+def _sorted_payload(p, x, z):  # the payload rides on keys that no derivative reaches
+    keys, values = (z @ p["head"]).reshape(-1), (x @ p["w"]).reshape(-1)
+    _, by_key = jax.lax.sort((keys, jnp.tanh(values)), num_keys=1)
+    return jnp.sum(by_key**2)
+
+
+def _scanned(p, x, z):  # a carry that only the aux output reports
+    def step(carry, rows):
+        h, k = carry
+        return (jnp.tanh(h + rows[0] @ p["w"]), k + rows[1] @ p["head"]), None
+
+    (h, k), _ = jax.lax.scan(step, (jnp.zeros(2), jnp.zeros(2)), (x[None], z[None]))
+    return jnp.sum(h**2), jnp.sum(k)
+
+
+def _conditioned(p, x, z):  # a branch output that only the aux output reports
+    live, dead = jax.lax.cond(
+        x[0] > -100,
+        lambda: (jnp.tanh(x @ p["w"]) ** 2, z @ p["head"]),
+        lambda: ((x @ p["w"]) ** 2, 2 * (z @ p["head"])),
+    )
+    return jnp.sum(live), jnp.sum(dead)
+
+
+@jax.custom_jvp
+def _flat(v):
+    return v
+
+
+_flat.defjvp(lambda primals, tangents: (primals[0], jnp.zeros_like(tangents[0])))
+
+
+def _plus(dead):
+    return lambda p, x, z: _dead_head(p, x, z)[0] + jnp.mean(dead(z @ p["head"]))
+
+
 DEAD_SITES = {
     "aux output": _dead_head,
-    "stop_gradient": lambda p, x, z: (
-        _dead_head(p, x, z)[0] + jax.lax.stop_gradient(jnp.mean(z @ p["head"]))
-    ),
-    "floor": lambda p, x, z: _dead_head(p, x, z)[0] + jnp.mean(jnp.floor(z @ p["head"])),
+    "stop_gradient": _plus(jax.lax.stop_gradient),
+    "floor": _plus(jnp.floor),
+    # round 7: behind an unused output of a call with several outputs, or a rule whose
+    # tangent is zero, no derivative reaches a value either
+    "sort payload": _sorted_payload,
+    "scan carry": _scanned,
+    "cond output": _conditioned,
+    "custom_jvp with a zero tangent": _plus(_flat),
+    "integer_pow 0": _plus(lambda v: jax.lax.integer_pow(v, 0)),
 }
+AUX = {"aux output", "scan carry", "cond output"}
 
 
 @pytest.mark.parametrize("name", DEAD_SITES)
@@ -1153,7 +1195,8 @@ def test_a_site_that_no_derivative_reaches_adds_nothing_on_data_that_is_not_fini
             DEAD_SITES[name],
             batch_argnums=(1, 2),
             microbatch_size=2,
-            has_aux=name == "aux output",
+            has_aux=name in AUX,
+            keep_batch_dim=False,
             l2_clip_norm=clip,
             clip_method=method,
             metrics_fn=microbatching.l2_norm,

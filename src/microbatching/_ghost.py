@@ -35,6 +35,7 @@ of the program. So:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -181,6 +182,7 @@ class Program:
     rules: list[Rule]
 
     dtypes: set[Any]  # the floating dtypes of its values
+    live: set[int] = dataclasses.field(default_factory=set)  # values a derivative reaches
 
     def free(self, a: Atom) -> bool:
         """Whether ``a`` does not depend on the example."""
@@ -260,7 +262,7 @@ def _inlined_body(e: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
 
 
 def _find_sites(program: Program) -> None:
-    live = _differentiated(program)
+    live = program.live = _differentiated(program)
     for index, e in enumerate(program.eqns):
         keys = [(p, a) for p, a in enumerate(e.ins) if not isinstance(a, Const)]
         free = tuple(p for p, a in keys if not program.data[a] and program.leaves[a])
@@ -577,7 +579,10 @@ def free_values(program: Program, params: Sequence[Any]) -> dict[int, Any]:
 
 
 def _floating(program: Program, keys: Sequence[int]) -> list[bool]:
-    return [jnp.issubdtype(program.avals[k].dtype, jnp.inexact) for k in keys]
+    """Which of a site's outputs carry a cotangent: floating, and reached by the
+    derivative (an unused output of a ``scan`` or ``cond`` site gets none, as in JAX,
+    where a zero would meet the data in its products: ``inf * 0``)."""
+    return [k in program.live and _inexact(program, k) for k in keys]
 
 
 def _site_outputs(
@@ -658,7 +663,29 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
         if e.primitive.name in ADDITIVE:  # their products never read the data
             avals = [program.avals[e.ins[p]] for p in site.data]  # type: ignore[index]
             inputs[k] = [jnp.zeros((rows, *a.shape), a.dtype) for a in avals]
+        else:
+            inputs[k] = _unreached_zeroed(inputs[k], cotangents[k])
     return Recorded(outs, inputs, cotangents)
+
+
+def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
+    """A site's floating data inputs, zero for each example whose cotangents there are all
+    zero: its product is then 0, as it is where JAX's backward pass gives the site a
+    symbolic zero (an output that reaches the loss only through an unused output of a
+    ``sort``, ``scan``, ``cond`` or ``custom_jvp`` call, which ``_differentiated`` cannot
+    tell apart), where ``inf * 0`` would make the norm and the sum NaN."""
+    if not cotangents:
+        return inputs
+    reached = functools.reduce(
+        jnp.logical_or,
+        [jnp.any(g != 0, axis=tuple(range(1, g.ndim))) for g in cotangents],
+    )
+    return [
+        jnp.where(at_rows(reached, x), x, jnp.zeros((), x.dtype))
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+        else x
+        for x in inputs
+    ]
 
 
 def _zeros(aval: Any) -> jax.Array:
