@@ -1230,6 +1230,94 @@ def test_a_site_that_a_derivative_reaches_keeps_data_that_is_not_finite():
     assert_close(got, want, terms=2)
 
 
+def _divided(p, x, m):  # a site singular at data 0: p / x
+    return m * jnp.sum(jnp.tanh(p["w"] / x))
+
+
+def test_a_masked_example_at_a_site_singular_at_zero_data_keeps_the_sum_finite():
+    """Round 8 of the hostile tests: the data of an example whose cotangents at a site
+    were all 0 (its loss masked, a dead ReLU) was read as 0 at every site, and ``p / 0``
+    made the norm and the sum NaN. Only non-finite data is dropped, at linear sites."""
+    p = {"w": jnp.asarray([0.3, -0.2, 0.5])}
+    x = jnp.asarray([[1.0, 2.0, 3.0], [2.0, 1.0, 4.0], [1.0, 1.0, 1.0], [3.0, 2.0, 1.0]])
+    mask = jnp.asarray([1.0, 0.0, 1.0, 1.0])
+    grads = jax.vmap(jax.grad(_divided), (None, 0, 0))(p, x, mask)
+    clip = median_norm(grads)
+    for method in ("auto", "ghost", "two_pass"):
+        got, aux = micro_grad(
+            _divided,
+            batch_argnums=(1, 2),
+            microbatch_size=2,
+            keep_batch_dim=False,
+            l2_clip_norm=clip,
+            clip_method=method,
+            metrics_fn=microbatching.l2_norm,
+        )(p, x, mask)
+        assert_close(aux.metrics, norms(grads))
+        assert_close(got, clipped_sum(grads, clip), terms=2)
+
+
+def _squared_error(w, x, y):
+    return (x @ w - y) ** 2
+
+
+def test_an_outer_derivative_keeps_an_example_fitted_exactly():
+    """Round 8: an example fitted exactly has cotangent 0 but a derivative of it that is
+    not, and its data read as 0 dropped it from ``jax.grad`` of the clipped sum (``[6, 4,
+    2]`` for ``[6, 8, 6]``); and its gradient of 0 gave ``0 * inf`` in the derivatives of
+    its norm and its factor (NaN on materialize and chunked)."""
+    w = jnp.asarray([1.0, 2.0, 3.0])
+    x = jnp.asarray([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    y = x @ w + jnp.asarray([0.5, 0.0, -0.25, 1.0])
+
+    def reference(w, clip):
+        g = jax.vmap(jax.grad(_squared_error), (None, 0, 0))(w, x, y)
+        s = jnp.sum(g**2, axis=1)
+        n = jnp.where(s == 0, 0.0, jnp.sqrt(jnp.where(s == 0, 1.0, s)))
+        scale = jnp.where(n == 0, 1.0, jnp.minimum(1.0, clip / jnp.where(n == 0, 1.0, n)))
+        return jnp.sum(g * scale[:, None])
+
+    for clip in (1e6, 1.5):  # nothing clipped; some clipped
+        want = jax.grad(reference)(w, clip)
+        for method in ("auto", "ghost", "two_pass", "chunked", "materialize"):
+            fn = micro_grad(
+                _squared_error,
+                batch_argnums=(1, 2),
+                microbatch_size=2,
+                keep_batch_dim=False,
+                l2_clip_norm=clip,
+                clip_method=method,
+            )
+            got = jax.grad(lambda w: jnp.sum(fn(w, x, y)[0]))(w)  # noqa: B023
+            assert_close(got, want, terms=4)
+
+
+def _underflowing(w, x, v):  # cotangents 2**-140 at weight 1, normal at weight 2**60
+    return jnp.sum(x @ w) * v * 2.0**-100
+
+
+def test_a_weight_above_one_does_not_lift_a_flushed_cotangent_into_the_sum():
+    """Round 8: two_pass and chunked normalised the clip factors but not the weights, so
+    that the backward pass of an example of weight ``2**60`` ran at cotangents its norm's
+    pass had flushed to 0 (norm 0, so not clipped), and it entered at 1774 times its
+    bound. Each example's contribution is at most its weight times the bound."""
+    w = jnp.ones((3,))
+    x = jnp.full((4, 3), 2.0**100).at[0].set(1.0)
+    v = jnp.asarray([1.0, 2.0**-40, 1.0, 1.0])
+    weights = jnp.asarray([1.0, 2.0**60, 1.0, 1.0])
+    clip = 2.0**-50
+    for method in ("auto", "ghost", "two_pass", "chunked", "materialize"):
+        got, _ = micro_grad(
+            _underflowing,
+            batch_argnums=(1, 2),
+            microbatch_size=2,
+            keep_batch_dim=False,
+            l2_clip_norm=clip,
+            clip_method=method,
+        )(w, x, v, example_weights=weights)
+        assert float(jnp.linalg.norm(got)) <= float(jnp.sum(weights)) * clip * (1 + 1e-6)
+
+
 def test_an_empty_batch_gives_zeros_on_every_method():
     w = jnp.ones((4, 2))
     for method in ("auto", "ghost", "materialize"):

@@ -59,9 +59,7 @@ def _norm_of(values: list[jax.Array], rows: int, dtype: Any, branch: bool) -> ja
     )
     info = jnp.finfo(dtype)
     plain = jnp.all((squares >= SAFE_LOW * info.tiny) & (squares <= info.max / SAFE_HIGH))
-    return jax.lax.cond(
-        plain, lambda: jnp.sqrt(squares), lambda: _scaled_norms(values, rows, dtype)
-    )
+    return jax.lax.cond(plain, lambda: sqrt(squares), lambda: _scaled_norms(values, rows, dtype))
 
 
 SAFE_LOW = 2.0**66
@@ -94,7 +92,7 @@ def _scaled_norms(values: list[jax.Array], rows: int, dtype: Any) -> jax.Array:
     k = jax.lax.optimization_barrier(jnp.clip(e, -bound, bound))
     down = power_of_two(-k, dtype)
     squares = sum(jnp.sum(jnp.square(v * _at_rows(down, v)), axis=_rest(v)) for v in values)
-    norms = jnp.sqrt(squares) * power_of_two(k, dtype)
+    norms = sqrt(squares) * power_of_two(k, dtype)
     return jnp.where(usable, norms, largest)
 
 
@@ -168,8 +166,18 @@ def norm(grads: PyTree) -> jax.Array:
 
 
 def factor(norms: jax.Array, bound: Any) -> jax.Array:
-    """``min(1, bound / norm)``: the scale that clips a gradient to norm ``bound``."""
-    return jnp.minimum(1.0, bound / norms)
+    """``min(1, bound / norm)``: the scale that clips a gradient to norm ``bound``; 1
+    at norm 0, with derivative 0 there (not ``0 * inf``: an outer derivative would be
+    NaN for an example whose gradient is 0)."""
+    zero = norms == 0
+    return jnp.where(zero, 1.0, jnp.minimum(1.0, bound / jnp.where(zero, 1.0, norms)))
+
+
+def sqrt(squares: jax.Array) -> jax.Array:
+    """``jnp.sqrt`` with derivative 0 at 0, where the norm of a gradient of 0 would pass
+    ``0 * inf`` (NaN) back to an outer derivative."""
+    zero = squares == 0
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, squares))).astype(squares.dtype)
 
 
 def _wide(g: Any) -> jax.Array:

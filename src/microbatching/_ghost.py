@@ -663,17 +663,24 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
         if e.primitive.name in ADDITIVE:  # their products never read the data
             avals = [program.avals[e.ins[p]] for p in site.data]  # type: ignore[index]
             inputs[k] = [jnp.zeros((rows, *a.shape), a.dtype) for a in avals]
-        else:
+        elif e.primitive.name in BILINEAR:
             inputs[k] = _unreached_zeroed(inputs[k], cotangents[k])
     return Recorded(outs, inputs, cotangents)
 
 
 def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
-    """A site's floating data inputs, zero for each example whose cotangents there are all
-    zero: its product is then 0, as it is where JAX's backward pass gives the site a
-    symbolic zero (an output that reaches the loss only through an unused output of a
-    ``sort``, ``scan``, ``cond`` or ``custom_jvp`` call, which ``_differentiated`` cannot
-    tell apart), where ``inf * 0`` would make the norm and the sum NaN."""
+    """A ``BILINEAR`` site's floating data inputs, with each entry that is not finite
+    read as 0 for an example whose cotangents there are all zero.
+
+    Its product is then 0, as it is where JAX's backward pass gives the site a symbolic
+    zero (an output that reaches the loss only through an unused output of a ``sort``,
+    ``scan``, ``cond`` or ``custom_jvp`` call, or through a rule whose tangent is zero,
+    which ``_differentiated`` cannot tell apart), where ``inf * 0`` would make the norm
+    and the sum NaN. Only there: a product linear in the data is 0 at data 0, where
+    another site's (``p / x``, a ``log`` in a ``scan`` body) may not be finite. And only
+    entries that are not finite: a finite entry is kept, so that an outer derivative
+    still sees the product's dependence on the data where the cotangent is 0 but its
+    derivative is not (round 8 of the hostile tests)."""
     if not cotangents:
         return inputs
     reached = functools.reduce(
@@ -681,7 +688,7 @@ def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
         [jnp.any(g != 0, axis=tuple(range(1, g.ndim))) for g in cotangents],
     )
     return [
-        jnp.where(at_rows(reached, x), x, jnp.zeros((), x.dtype))
+        jnp.where(at_rows(reached, x) | jnp.isfinite(x), x, jnp.zeros((), x.dtype))
         if jnp.issubdtype(x.dtype, jnp.inexact)
         else x
         for x in inputs
@@ -1094,7 +1101,7 @@ def _linear_sum(
 
     def book_keeping() -> list[Any]:
         found = scaled_products(program, params, seen, leaves, sites, unit, kept, clean)
-        return [g * power.astype(g.dtype) for g in found]
+        return [times_both(g, power) for g in found]
 
     if norms is None:
         return book_keeping()
@@ -1109,17 +1116,24 @@ def _linear_sum(
 
 def to_unit(factors: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``factors`` divided by ``2^e``, the power of two just above the largest in
-    magnitude (``2^(e-1) <= max < 2^e``), and ``2^e``; ``2^e`` is 1 where the largest is
-    0 or not finite. Both exact. Scaling by the first, then by ``2^e``, runs a backward
+    magnitude (``2^(e-1) <= max < 2^e``), and ``2^e`` as two factors, each normal where
+    ``2^e`` itself overflows (factors times weights near the dtype's largest number,
+    ``e = 128`` in float32), stacked; ``2^e`` is 1 where the largest is 0 or not finite.
+    All exact. Scaling by the first, then by both factors of ``2^e``, runs a backward
     pass at cotangents no smaller than the loss's own for the example of the largest
     factor, so that clip factors far below 1 do not push them below ``tiny``. A largest
     factor below ``tiny`` counts as ``tiny`` (``_clipping.exponent``)."""
     top = jnp.max(jnp.abs(factors))
     usable = (top > 0) & jnp.isfinite(top)
     exponent = jnp.where(usable, _clipping.exponent(jnp.where(usable, top, 1)), 0)
-    return _clipping.times_power(factors, -exponent), _clipping.power_of_two(
-        exponent, factors.dtype
-    )
+    half = _clipping.halve(exponent)
+    ups = [_clipping.power_of_two(k, factors.dtype) for k in (half, exponent - half)]
+    return _clipping.times_power(factors, -exponent), jnp.stack(ups)
+
+
+def times_both(g: jax.Array, ups: jax.Array) -> jax.Array:
+    """``g`` times the two factors of ``to_unit``'s power of two, one after the other."""
+    return g * ups[0].astype(g.dtype) * ups[1].astype(g.dtype)
 
 
 def underflow_risk(
@@ -1382,7 +1396,7 @@ def _from_gram(gram: jax.Array, *scales: jax.Array) -> jax.Array:
     and the factors that undo it; ``inf`` or NaN where a factor (the largest magnitude
     itself) is. ``gram`` is never negative: a Gram sum that could be is recomputed
     (``_reliable``)."""
-    return _from_norm(jnp.sqrt(gram), *scales)
+    return _from_norm(_clipping.sqrt(gram), *scales)
 
 
 def _from_norm(norm: jax.Array, *scales: jax.Array) -> jax.Array:

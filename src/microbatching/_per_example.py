@@ -252,14 +252,23 @@ def weighted_gradient(
     The factors depend on the parameters, but as values closed over by ``total`` the
     gradient holds them fixed; outer derivatives still see them.
 
-    The factors are first divided by the power of two of the largest (``to_unit``), and
-    the gradient multiplied by it after, both exact: the backward pass then runs at
-    cotangents no smaller than the loss's own for that example, so that clip factors
-    far below 1 do not push its cotangents below the dtype's smallest normal number.
+    The factors, times the weights, are first divided by the power of two of the
+    largest (``to_unit``), and the gradient multiplied by it after, both exact: the
+    backward pass then runs at cotangents no smaller than the loss's own for that
+    example, so that clip factors far below 1 do not push its cotangents below the
+    dtype's smallest normal number, and no larger, so that weights far above 1 do not
+    lift a cotangent that the norms' pass flushed to 0 back into the sum (round 8 of
+    the hostile tests: an example entered at 7853 times its bound).
     """
     example = sums.example
     power = None
+    weights = given is not None and given.dtype != jnp.bool_
     if factors is not None:
+        if weights:  # normalised with the factors: see above
+            wide = jnp.promote_types(factors.dtype, given.dtype)
+            factors = factors.astype(wide) * given.astype(wide)
+            factors = jnp.where(given != 0, factors, jnp.zeros((), wide))
+            weights = False
         factors, power = _ghost.to_unit(factors)
 
     def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
@@ -268,7 +277,7 @@ def weighted_gradient(
         if seed is not None:
             weighted = weighted * jnp.asarray(seed, values.dtype)
         if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-            if given.dtype != jnp.bool_:
+            if weights:
                 weighted = weighted * given.astype(values.dtype)
             weighted = jnp.where(given != 0, weighted, jnp.zeros((), values.dtype))
         return jnp.sum(weighted), (values, aux)
@@ -277,7 +286,7 @@ def weighted_gradient(
         *args, **kwargs
     )
     if power is not None:
-        grads = jax.tree.map(lambda g: g * power.astype(g.dtype), grads)
+        grads = jax.tree.map(lambda g: _ghost.times_both(g, power), grads)
     return _kept(grads, Aux(values, measured, aux), given)
 
 
