@@ -658,6 +658,12 @@ def _gained_loss(p, x, v):
     return jnp.sum((x[0] @ (p * 2.0**64)) * v[0])  # a gain of 2**64 before the site
 
 
+def _added_loss(p, x, v):
+    for _ in range(64):  # the same gain, from sums alone: p + p, 64 times
+        p = p + p
+    return jnp.sum((x[0] @ p) * v[0])
+
+
 def _divided_loss(p, x, v):
     return jnp.sum((x[0] / p[None]) * v[0])  # the site reads w, not a product with it
 
@@ -668,14 +674,14 @@ def _beside_an_unclipped_example(model: str) -> tuple[Callable[..., Any], Any, A
     factor takes the second row's cotangent below ``tiny``, and a sum that loses it
     adds the first row alone."""
     x, v = (
-        np.zeros((2, 2, 1 if model == "gain" else 2), np.float32),
+        np.zeros((2, 2, 1 if model in ("gain", "added") else 2), np.float32),
         np.zeros((2, 2, 2), np.float32),
     )
-    if model == "gain":
+    if model in ("gain", "added"):
         p = jnp.full((1, 2), 2.0**-40, jnp.float32)
         x[0], v[0] = [[1.0], [0.0]], [[0.0, 0.5 * 2.0**-64], [0.0, 0.0]]
         x[1], v[1] = [[1.0], [2.0**64]], [[1.0, 0.27], [-(2.0**-64), 0.0]]
-        return _gained_loss, p, x, v
+        return (_gained_loss if model == "gain" else _added_loss), p, x, v
     p = jnp.full((2,), 2.0**-40, jnp.float32)
     x[0], v[0] = [[0.0, 1.0], [0.0, 0.0]], [[0.0, -0.5 * 2.0**-80], [0.0, 0.0]]
     x[1], v[1] = [[1.0, 1.0], [2.0**60, 0.0]], [[1.0, 1e20 * 2.0**-80], [-(2.0**-60), 0.0]]
@@ -683,14 +689,15 @@ def _beside_an_unclipped_example(model: str) -> tuple[Callable[..., Any], Any, A
 
 
 @pytest.mark.parametrize("method", ["auto", "ghost", "statistics"])
-@pytest.mark.parametrize("model", ["gain", "divide"])
+@pytest.mark.parametrize("model", ["gain", "added", "divide"])
 def test_a_gain_or_a_division_at_the_site_does_not_hide_an_underflow(model: str, method: Any):
     """Found by a breaker: the bound took every site for a product of data and weight
     entries, read straight from the leaf. With the weight times ``2**64`` before the
     site, or divided into the data (``x / w``), a lost cotangent moves the gradient by
     far more than ``tiny`` times the data, the check kept book-keeping, and the second
     example added 3.8 ``C`` (gain) and 12089 ``C`` (division); the statistics method
-    the same. Such sites now take the per-example sum wherever an entry is lost."""
+    the same. Such sites now take the per-example sum wherever an entry is lost. Round
+    9: the same gain from ``p + p`` alone ("added"), which was taken for a copy."""
     loss, p, x, v = _beside_an_unclipped_example(model)
     options: dict[str, Any] = {"clip_method": method}
     if method == "statistics":

@@ -173,9 +173,10 @@ def factor(norms: jax.Array, bound: Any) -> jax.Array:
     return jnp.where(zero, 1.0, jnp.minimum(1.0, bound / jnp.where(zero, 1.0, norms)))
 
 
-def sqrt(squares: jax.Array) -> jax.Array:
+def sqrt(squares: Any) -> jax.Array:
     """``jnp.sqrt`` with derivative 0 at 0, where the norm of a gradient of 0 would pass
     ``0 * inf`` (NaN) back to an outer derivative."""
+    squares = jnp.asarray(squares)
     zero = squares == 0
     return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, squares))).astype(squares.dtype)
 

@@ -82,7 +82,8 @@ NON_EXPANDING = SHAPE_ONLY | {
 }  # fmt: skip
 """Steps of the parameters-only program whose transpose moves a cotangent's sum of
 magnitudes by at most a factor of 1 (each output entry a copy of one input entry, a
-sum of inputs, or 0). After any other step (a multiple of a weight, a division, a
+sum of inputs, or 0), where no two of its inputs reach the same leaf (``w + w`` is
+``2 w``: ``_unbounded_sites``). After any other step (a multiple of a weight, a division, a
 norm), nothing bounds how much the pull-back amplifies a change of a site's
 cotangent."""
 
@@ -299,13 +300,18 @@ def _unbounded_sites(program: Program) -> None:
     """Marks as not ``bounded`` every site that is neither ``BILINEAR`` nor
     ``SELECTING``, or whose free inputs come through a parameters-only step that is not
     ``NON_EXPANDING`` (``w * 2**64``, ``w / ||w||``): there ``underflow_risk`` cannot
-    bound what a cotangent lost to underflow moves the gradient by."""
+    bound what a cotangent lost to underflow moves the gradient by. Nor is a sum of two
+    values that reach one leaf (``w + w``: its transpose gives the leaf the cotangent
+    twice; forty of them hid a gain of ``2**40``, round 9 of the hostile tests)."""
     amplified: set[int] = set()
     for e in program.eqns:
         if not all(program.free(a) for a in e.ins):
             continue
         keys = [a for a in e.ins if not isinstance(a, Const)]
-        if e.primitive.name not in NON_EXPANDING or any(a in amplified for a in keys):
+        doubled = e.primitive.name in ADDITIVE and any(
+            program.leaves[a] & program.leaves[b] for a, b in itertools.combinations(keys, 2)
+        )
+        if e.primitive.name not in NON_EXPANDING or doubled or any(a in amplified for a in keys):
             amplified.update(e.outs)
     for k, site in enumerate(program.sites):
         e = program.eqns[site.eqn]

@@ -263,12 +263,12 @@ def weighted_gradient(
     example = sums.example
     power = None
     weights = given is not None and given.dtype != jnp.bool_
+    if factors is not None and given is not None and weights:  # normalised with them
+        wide = jnp.promote_types(factors.dtype, given.dtype)
+        both = factors.astype(wide) * given.astype(wide)
+        factors = jnp.where(given != 0, both, jnp.zeros((), wide))
+        weights = False
     if factors is not None:
-        if weights:  # normalised with the factors: see above
-            wide = jnp.promote_types(factors.dtype, given.dtype)
-            factors = factors.astype(wide) * given.astype(wide)
-            factors = jnp.where(given != 0, factors, jnp.zeros((), wide))
-            weights = False
         factors, power = _ghost.to_unit(factors)
 
     def total(*args: Any, **kwargs: Any) -> tuple[jax.Array, tuple[Any, Any]]:
