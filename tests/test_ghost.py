@@ -1179,6 +1179,20 @@ DEAD_SITES = {
 AUX = {"aux output", "scan carry", "cond output"}
 
 
+def _by_twos(loss: Callable[..., Any], clip: Any, method: Any, **options: Any) -> Any:
+    """``micro_grad`` of a loss of one example over batch arguments 1 and 2, two rows a
+    microbatch, clipped to ``clip`` by ``method``."""
+    return micro_grad(
+        loss,
+        batch_argnums=(1, 2),
+        microbatch_size=2,
+        keep_batch_dim=False,
+        l2_clip_norm=clip,
+        clip_method=method,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("name", DEAD_SITES)
 def test_a_site_that_no_derivative_reaches_adds_nothing_on_data_that_is_not_finite(name):
     """Round 6 of the hostile tests: JAX gives such a site a symbolic zero, but it was a
@@ -1191,15 +1205,8 @@ def test_a_site_that_no_derivative_reaches_adds_nothing_on_data_that_is_not_fini
     grads = jax.vmap(jax.grad(live), (None, 0))(p, x)
     clip = median_norm(grads)
     for method in ("auto", "ghost", "two_pass"):
-        got, aux = micro_grad(
-            DEAD_SITES[name],
-            batch_argnums=(1, 2),
-            microbatch_size=2,
-            has_aux=name in AUX,
-            keep_batch_dim=False,
-            l2_clip_norm=clip,
-            clip_method=method,
-            metrics_fn=microbatching.l2_norm,
+        got, aux = _by_twos(
+            DEAD_SITES[name], clip, method, has_aux=name in AUX, metrics_fn=microbatching.l2_norm
         )(p, x, z)
         assert_close(aux.metrics, norms(grads))
         assert_close(got, clipped_sum(grads, clip), terms=2)
@@ -1244,15 +1251,7 @@ def test_a_masked_example_at_a_site_singular_at_zero_data_keeps_the_sum_finite()
     grads = jax.vmap(jax.grad(_divided), (None, 0, 0))(p, x, mask)
     clip = median_norm(grads)
     for method in ("auto", "ghost", "two_pass"):
-        got, aux = micro_grad(
-            _divided,
-            batch_argnums=(1, 2),
-            microbatch_size=2,
-            keep_batch_dim=False,
-            l2_clip_norm=clip,
-            clip_method=method,
-            metrics_fn=microbatching.l2_norm,
-        )(p, x, mask)
+        got, aux = _by_twos(_divided, clip, method, metrics_fn=microbatching.l2_norm)(p, x, mask)
         assert_close(aux.metrics, norms(grads))
         assert_close(got, clipped_sum(grads, clip), terms=2)
 
@@ -1280,14 +1279,7 @@ def test_an_outer_derivative_keeps_an_example_fitted_exactly():
     for clip in (1e6, 1.5):  # nothing clipped; some clipped
         want = jax.grad(reference)(w, clip)
         for method in ("auto", "ghost", "two_pass", "chunked", "materialize"):
-            fn = micro_grad(
-                _squared_error,
-                batch_argnums=(1, 2),
-                microbatch_size=2,
-                keep_batch_dim=False,
-                l2_clip_norm=clip,
-                clip_method=method,
-            )
+            fn = _by_twos(_squared_error, clip, method)
             got = jax.grad(lambda w: jnp.sum(fn(w, x, y)[0]))(w)  # noqa: B023
             assert_close(got, want, terms=4)
 
@@ -1307,14 +1299,7 @@ def test_a_weight_above_one_does_not_lift_a_flushed_cotangent_into_the_sum():
     weights = jnp.asarray([1.0, 2.0**60, 1.0, 1.0])
     clip = 2.0**-50
     for method in ("auto", "ghost", "two_pass", "chunked", "materialize"):
-        got, _ = micro_grad(
-            _underflowing,
-            batch_argnums=(1, 2),
-            microbatch_size=2,
-            keep_batch_dim=False,
-            l2_clip_norm=clip,
-            clip_method=method,
-        )(w, x, v, example_weights=weights)
+        got, _ = _by_twos(_underflowing, clip, method)(w, x, v, example_weights=weights)
         assert float(jnp.linalg.norm(got)) <= float(jnp.sum(weights)) * clip * (1 + 1e-6)
 
 
