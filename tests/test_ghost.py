@@ -1256,24 +1256,35 @@ def test_a_masked_example_at_a_site_singular_at_zero_data_keeps_the_sum_finite()
         assert_close(got, clipped_sum(grads, clip), terms=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="round 10, open: ghost reads a row of weight 0 as data 0 at every site, and "
-    "the product of p / 0 is 0 * inf; the fix (a kept row's data at sites that are not "
-    "BILINEAR) is in the closing note of issue 23, 2026-12-03",
-)
-def test_a_weight_of_zero_at_a_site_singular_at_zero_data_keeps_the_ghost_sum_finite():
-    """Round 10 of the hostile tests: with ``example_weights`` holding a 0, ghost's sum
-    was NaN at ``p / x`` even on ordinary data (two_pass and materialize were right)."""
-    p = {"u": jnp.asarray([0.3, -0.5, 1.0])}
+def _scanned_log(p, x):  # a site in a scan body singular at data 0: log(x_t) @ w
+    def step(h, x_t):
+        return h + jnp.log(x_t) @ p["w"], None
+
+    return jnp.sum(jnp.tanh(jax.lax.scan(step, jnp.zeros(2), x)[0]))
+
+
+_SINGULAR_AT_ZERO = {
+    "divided": (lambda p, x: jnp.sum(jnp.tanh(p["u"][None] / x)), {"u": [0.3, -0.5, 1.0]}),
+    "power": (lambda p, x: jnp.sum(jnp.abs(x) ** p["u"][None]), {"u": [0.3, -0.5, 1.0]}),
+    "scanned_log": (_scanned_log, {"w": [[0.3, -0.5], [1.0, 0.2], [-0.4, 0.6]]}),
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "two_pass"])
+@pytest.mark.parametrize("site", sorted(_SINGULAR_AT_ZERO))
+def test_a_weight_of_zero_at_a_site_singular_at_zero_data_keeps_the_ghost_sum_finite(site, method):
+    """Round 10 of the hostile tests: with ``example_weights`` holding a 0, ghost read
+    that row's data as 0 at every site, and its sum was NaN at ``p / x``, ``|x| ** p``
+    or ``log(x_t) @ w`` in a scan even on ordinary data. A row of weight 0 now stands
+    in with a kept row's data at sites that are not linear in it."""
+    loss, raw = _SINGULAR_AT_ZERO[site]
+    p = {name: jnp.asarray(value) for name, value in raw.items()}
     x = jnp.abs(normal(np.random.default_rng(0), 4, 3, 3)) + 0.5
     weights = jnp.asarray([1.0, 0.0, 1.0, 1.0])
-    loss = lambda p, x: jnp.sum(jnp.tanh(p["u"][None] / x))  # noqa: E731
     grads = jax.vmap(jax.grad(loss), (None, 0))(p, x)
     got, _ = micro_grad(
         loss, batch_argnums=1, microbatch_size=2, keep_batch_dim=False, l2_clip_norm=0.7,
-        clip_method="ghost",
+        clip_method=method,
     )(p, x, example_weights=weights)  # fmt: skip
     assert_close(got, clipped_sum(grads, 0.7, weights), terms=4)
 

@@ -1219,7 +1219,7 @@ def _per_example_sum(
         return jnp.reshape(x, (rows // size, size, *jnp.shape(x)[1:]))
 
     xs = (
-        [[chunks(v) for v in _zero_rows(seen.inputs[k], kept)] for k in sites],
+        [[chunks(v) for v in _cleaned(program, k, seen.inputs[k], kept)] for k in sites],
         [[chunks(v) for v in _zero_rows(seen.cotangents[k], kept)] for k in sites],
         chunks(jnp.where(kept, factor, 0)),
         chunks(kept),
@@ -1253,6 +1253,18 @@ def _zero_rows(values: Sequence[Any], keep: jax.Array) -> list[Any]:
     return [jnp.where(at_rows(keep, v), v, jnp.zeros((), v.dtype)) for v in values]
 
 
+def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -> list[Any]:
+    """Site ``k``'s data ``values`` with each row not in ``keep`` replaced by a finite
+    stand-in, whose cotangent is then 0: 0 at a ``BILINEAR`` site, where the product is
+    0 at data 0; elsewhere the first kept row, since data 0 may be where the site is
+    singular (``tanh(p / x)``, ``log(x)`` in a scan body; round 10 of the hostile tests)
+    and ``0 * inf`` would make the sum NaN."""
+    if program.eqns[program.sites[k].eqn].primitive.name in BILINEAR:
+        return _zero_rows(values, keep)
+    first = jnp.argmax(keep)
+    return [jnp.where(at_rows(keep, v), v, v[first][None]) for v in values]
+
+
 def scaled_products(
     program: Program,
     params: Sequence[Any],
@@ -1270,7 +1282,7 @@ def scaled_products(
         env = _free_with(program, params, leaves, values)
         return [
             jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(
-                _zero_rows(seen.inputs[k], keep) if clean else seen.inputs[k]
+                _cleaned(program, k, seen.inputs[k], keep) if clean else seen.inputs[k]
             )
             for k in sites
         ]
