@@ -1258,11 +1258,16 @@ def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -
     stand-in, whose cotangent is then 0: 0 at a ``BILINEAR`` site, where the product is
     0 at data 0; elsewhere the first kept row, since data 0 may be where the site is
     singular (``tanh(p / x)``, ``log(x)`` in a scan body; round 10 of the hostile tests)
-    and ``0 * inf`` would make the sum NaN."""
+    and ``0 * inf`` would make the sum NaN. A chunk with no kept row keeps data 0."""
     if program.eqns[program.sites[k].eqn].primitive.name in BILINEAR:
         return _zero_rows(values, keep)
     first = jnp.argmax(keep)
-    return [jnp.where(at_rows(keep, v), v, v[first][None]) for v in values]
+
+    def cleaned(v: Any) -> Any:
+        stand_in = jnp.where(keep[first], v[first], jnp.zeros((), v.dtype))
+        return jnp.where(at_rows(keep, v), v, stand_in[None])
+
+    return [cleaned(v) for v in values]
 
 
 def scaled_products(
