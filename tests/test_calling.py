@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from microbatching import AccumulationType, Accumulator, micro_grad, micro_vmap, microbatch
+from microbatching import AccumulationType, Accumulator, l2_norm, micro_grad, micro_vmap, microbatch
 from microbatching._batch_statistics import PROBE_ROWS
 
 from .strategies import assert_close, random_array
@@ -443,19 +443,51 @@ def test_micro_vmap_inside_shard_map():
 @pytest.mark.x64
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_micro_grad_inside_shard_map_matches_vmap_of_grad_there(clip):
+    """The parameter passed as varying over the batch's axis: each device's per-example
+    gradients are its own examples' (a replicated one is refused with clipping, below)."""
+
     def pe(w, v):
         return jnp.sum(jnp.sin(v * w))
 
+    def varying(w):
+        return jax.lax.pcast(w, "data", to="varying")
+
     def reference(x):
-        g = jax.vmap(jax.grad(pe), (None, 0))(WEIGHT, x[:, None])
+        g = jax.vmap(jax.grad(pe), (None, 0))(varying(WEIGHT), x[:, None])
         if clip is not None:
             g = g * jnp.minimum(1.0, clip / jnp.abs(g))
         return jnp.sum(g)[None]
 
     def ours(x):
-        return micro_grad(pe, microbatch_size=2, l2_clip_norm=clip)(WEIGHT, x)[0][None]
+        return micro_grad(pe, microbatch_size=2, l2_clip_norm=clip)(varying(WEIGHT), x)[0][None]
 
     assert_close(_shard_map(ours)(X16), _shard_map(reference)(X16), terms=4)
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"l2_clip_norm": 1.0}, "l2_clip_norm"),
+        ({"transform_fn": jnp.sign}, "a transform_fn"),
+        ({"metrics_fn": l2_norm}, "a metrics_fn"),
+    ],
+)
+def test_per_example_gradients_of_a_replicated_parameter_in_shard_map_are_refused(options, why):
+    """JAX's derivative of a parameter that does not vary over the batch's mesh axis sums
+    each example's gradient over the devices: clipping those sums would bound no example."""
+
+    def ours(x):
+        return micro_grad(jnp.dot, microbatch_size=2, **options)(WEIGHT, x)[0][None]
+
+    with pytest.raises(ValueError) as error:
+        _shard_map(ours)(X16)
+    assert str(error.value) == (
+        f"micro_grad with {why} inside jax.shard_map: the batch varies over the mesh axes "
+        "'data', but `a` does not (type float32[]), so JAX's derivative would sum each "
+        "example's gradient over those devices before micro_grad sees it. Pass the "
+        "parameters as varying, `jax.lax.pcast(a, 'data', to='varying')`, and combine "
+        "the devices' results after, e.g. `jax.lax.psum(grads, 'data')`."
+    )
 
 
 @pytest.mark.x64

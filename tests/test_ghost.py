@@ -1289,6 +1289,38 @@ def test_a_weight_of_zero_at_a_site_singular_at_zero_data_keeps_the_ghost_sum_fi
     assert_close(got, clipped_sum(grads, 0.7, weights), terms=4)
 
 
+def _scaled_divided(p, x):  # x holds the data, then a scale of the loss
+    return x[-1] * jnp.sum(jnp.tanh(p["u"] / x[:-1]))
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+@pytest.mark.parametrize("case", ["nan_safe", "overflowing", "remainder"])
+def test_a_chunk_that_keeps_no_row_adds_nothing_at_a_site_singular_at_zero(case, method):
+    """Round 11 of the hostile tests: where a microbatch kept no row (every row dropped
+    by ``nan_safe``, or of clip factor 0 because its norm overflows, beside a remainder's
+    padding), the stand-in data was 0 and ``tanh(p / 0)`` made ghost's sum NaN."""
+    rng = np.random.default_rng(0)  # 400 entries of up to 1e38: finite, their norm is not
+    p = {"u": normal(rng, 400)}
+    x = jnp.concatenate([jnp.abs(normal(rng, 5, 400)) + 0.5, jnp.ones((5, 1))], 1)
+    weights, keep, size = None, np.ones(5, bool), 2
+    options: dict[str, Any] = {}
+    if case == "nan_safe":  # one row a microbatch; rows 2 and 3 dropped
+        x = x.at[2, 0].set(jnp.nan).at[3, 1].set(0.0)
+        size, options, keep[2:4] = 1, {"nan_safe": True}, False
+    elif case == "overflowing":  # one row a microbatch; row 2 of factor C / inf = 0
+        x, weights, size = x.at[2, -1].set(5e37), jnp.ones(5), 1
+    else:  # row 4, alone in the last microbatch beside 3 padding rows, overflows
+        x, size, options = x.at[4, -1].set(5e37), 4, {"allow_remainder": True}
+    x = x[:4] if case != "remainder" else x
+    grads = jax.vmap(jax.grad(_scaled_divided), (None, 0))(p, x)
+    want = clipped_sum(jax.tree.map(lambda g: g[keep[: len(x)]], grads), 0.7)
+    got, _ = micro_grad(
+        _scaled_divided, batch_argnums=1, microbatch_size=size, keep_batch_dim=False,
+        l2_clip_norm=0.7, clip_method=method, **options,
+    )(p, x, **({} if weights is None else {"example_weights": weights[: len(x)]}))  # fmt: skip
+    assert_close(got, want, terms=4)
+
+
 def _squared_error(w, x, y):
     return (x @ w - y) ** 2
 

@@ -1254,18 +1254,21 @@ def _zero_rows(values: Sequence[Any], keep: jax.Array) -> list[Any]:
 
 
 def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -> list[Any]:
-    """Site ``k``'s data ``values`` with each row not in ``keep`` replaced by a finite
-    stand-in, whose cotangent is then 0: 0 at a ``BILINEAR`` site, where the product is
-    0 at data 0; elsewhere the first kept row, since data 0 may be where the site is
-    singular (``tanh(p / x)``, ``log(x)`` in a scan body; round 10 of the hostile tests)
-    and ``0 * inf`` would make the sum NaN. A chunk with no kept row keeps data 0."""
+    """Site ``k``'s data ``values`` with each row not in ``keep`` replaced by a stand-in,
+    whose cotangent is then 0: 0 at a ``BILINEAR`` site, where the product is 0 at data
+    0. Elsewhere data 0 may be where the site is singular (``tanh(p / x)``, ``log(x)`` in
+    a scan body; round 10 of the hostile tests) and ``0 * inf`` would make the sum NaN:
+    the stand-in is the first kept row, or where the chunk keeps none the row's own data
+    where it is finite, else 0 (``scaled_products`` then drops the chunk's sum)."""
     if program.eqns[program.sites[k].eqn].primitive.name in BILINEAR:
         return _zero_rows(values, keep)
     first = jnp.argmax(keep)
 
     def cleaned(v: Any) -> Any:
-        stand_in = jnp.where(keep[first], v[first], jnp.zeros((), v.dtype))
-        return jnp.where(at_rows(keep, v), v, stand_in[None])
+        own = v
+        if jnp.issubdtype(v.dtype, jnp.inexact):
+            own = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))
+        return jnp.where(at_rows(keep, v), v, jnp.where(keep[first], v[first][None], own))
 
     return [cleaned(v) for v in values]
 
@@ -1306,7 +1309,12 @@ def scaled_products(
         [scaled(g, o) for g, o in zip(seen.cotangents[k], out, strict=True)]
         for k, out in zip(sites, outs, strict=True)
     ]
-    return pull(cotangents)[0]
+    found = pull(cotangents)[0]
+    if not clean:
+        return found
+    # A chunk that keeps no row adds 0, even where every stand-in is singular.
+    anything = jnp.any(keep)
+    return [jnp.where(anything, g, jnp.zeros((), g.dtype)) for g in found]
 
 
 def linear_values(

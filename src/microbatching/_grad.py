@@ -287,6 +287,8 @@ class _Calls:
         example, settings = request.example, request.settings
         args, kwargs = example.axes.to_positions(args, kwargs)
         example.check_differentiable(args)
+        if request.per_example_reason is not None:
+            example.check_varying(args, kwargs, request.per_example_reason)
         self.unsplit.check(args)
         plan = self.plan(args, kwargs, weights)
         layout, nums = plan.layout, example.nums()

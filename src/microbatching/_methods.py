@@ -201,6 +201,18 @@ class GradRequest:
         return any(self.example.axes.spec(i) is not None for i in self.example.nums())
 
     @property
+    def per_example_reason(self) -> str | None:
+        """What needs each example's own gradient (clipping, a ``transform_fn``, a
+        ``metrics_fn``), in words; None where only their sum is asked."""
+        if self.clipping is not None:
+            return "l2_clip_norm"
+        if self.transform is not _per_example.identity:
+            return "a transform_fn"
+        if self.metrics is not _per_example.no_metrics:
+            return "a metrics_fn"
+        return None
+
+    @property
     def summed(self) -> bool:
         """Whether the accumulated result is a (weighted) sum of the clipped gradients:
         the identity transform, linear accumulators, no batched argnums."""

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _accumulators, _clipping, _ghost, _layout, _programs, _statistics, _vmap
+from . import _accumulators, _clipping, _ghost, _layout, _programs, _sharding, _statistics, _vmap
 from ._signature import BatchAxes
 from ._typing import Function, PyTree
 
@@ -149,6 +149,36 @@ class Examples:
                         "nnx.split(model)`; or bind them with functools.partial."
                     )
 
+    def check_varying(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> None:
+        """Inside ``shard_map``, raises a ValueError with a fix for a differentiated leaf
+        that does not vary over a manual mesh axis that the batch varies over: JAX's
+        derivative there sums each example's gradient over that axis's devices, so no
+        per-example gradient (``why`` needs them) is one example's."""
+        batch: set[str] = set()
+        for where, arg in [*enumerate(args), *kwargs.items()]:
+            if self.axes.spec(where) is not None:
+                for leaf in jax.tree.leaves(arg):
+                    batch.update(_sharding.varying(jax.typeof(leaf)))
+        if not batch:
+            return
+        for i in self.nums():
+            if i >= len(args) or self.axes.spec(i) is not None:
+                continue
+            name = self.axes.label(i)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+                missing = sorted(batch - set(_sharding.varying(jax.typeof(leaf))))
+                if missing:
+                    axes = repr(missing[0]) if len(missing) == 1 else repr(tuple(missing))
+                    raise ValueError(
+                        f"micro_grad with {why} inside jax.shard_map: the batch varies over "
+                        f"the mesh axes {axes}, but `{name}{jax.tree_util.keystr(path)}` "
+                        f"does not (type {jax.typeof(leaf).str_short()}), so JAX's "
+                        "derivative would sum each example's gradient over those devices "
+                        "before micro_grad sees it. Pass the parameters as varying, "
+                        f"`jax.lax.pcast({name}, {axes}, to='varying')`, and combine the "
+                        f"devices' results after, e.g. `jax.lax.psum(grads, {axes})`."
+                    )
+
     def value_and_grad(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], PyTree]:
         """One example's ``((value, aux), gradient)``, with respect to the expanded
         arguments (a batch argument in ``argnums`` gets a gradient of shape ``(1, ...)``)."""
@@ -262,12 +292,14 @@ def weighted_gradient(
     """
     example = sums.example
     power = None
-    weights = given is not None and given.dtype != jnp.bool_
-    if factors is not None and given is not None and weights:  # normalised with them
-        wide = jnp.promote_types(factors.dtype, given.dtype)
-        both = factors.astype(wide) * given.astype(wide)
-        factors = jnp.where(given != 0, both, jnp.zeros((), wide))
-        weights = False
+    # The weights multiply the rows' losses: folded into the factors, which are then
+    # normalised with them, where there are factors; a boolean mask only selects.
+    scaled_by = None if given is None or given.dtype == jnp.bool_ else given
+    if factors is not None and scaled_by is not None:
+        wide = jnp.promote_types(factors.dtype, scaled_by.dtype)
+        both = factors.astype(wide) * scaled_by.astype(wide)
+        factors = jnp.where(scaled_by != 0, both, jnp.zeros((), wide))
+        scaled_by = None
     if factors is not None:
         factors, power = _ghost.to_unit(factors)
 
@@ -277,8 +309,8 @@ def weighted_gradient(
         if seed is not None:
             weighted = weighted * jnp.asarray(seed, values.dtype)
         if given is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-            if weights:
-                weighted = weighted * given.astype(values.dtype)
+            if scaled_by is not None:
+                weighted = weighted * scaled_by.astype(values.dtype)
             weighted = jnp.where(given != 0, weighted, jnp.zeros((), values.dtype))
         return jnp.sum(weighted), (values, aux)
 
