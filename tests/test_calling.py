@@ -490,6 +490,23 @@ def test_per_example_gradients_of_a_replicated_parameter_in_shard_map_are_refuse
     )
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="round 12, open: MAX and MIN of a replicated parameter's per-example gradients "
+    "in shard_map are not refused (issue 23's closing note, 2026-12-03)",
+)
+def test_max_of_a_replicated_parameter_in_shard_map_is_refused():
+    def ours(x):
+        fn = micro_grad(
+            jnp.dot, microbatch_size=2, keep_batch_dim=False, accumulator=AccumulationType.MAX
+        )
+        return fn(WEIGHT, x)[0][None]
+
+    with pytest.raises(ValueError, match=r"inside jax\.shard_map"):
+        _shard_map(ours)(X16)
+
+
 @pytest.mark.x64
 def test_traced_num_real_microbatches_inside_shard_map():
     def fun(x):
