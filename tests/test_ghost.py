@@ -1321,30 +1321,40 @@ def test_a_chunk_that_keeps_no_row_adds_nothing_at_a_site_singular_at_zero(case,
     assert_close(got, want, terms=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="round 12, open: nan_safe masks a dropped row after its gradient is taken, so "
-    "jax.grad of the clipped sum runs 0 * NaN (issue 23's closing note, 2026-12-03)",
+@pytest.mark.parametrize(
+    ("method", "transform", "dropped"),
+    [
+        ("ghost", None, [0]),
+        ("materialize", None, [0]),
+        ("auto", None, [0, 1]),  # a microbatch that keeps no row
+        ("auto", lambda g: 2 * g, [0]),  # the per-example path
+    ],
 )
-def test_an_outer_derivative_through_nan_safe_leaves_a_dropped_row_out():
+def test_an_outer_derivative_through_nan_safe_leaves_a_dropped_row_out(method, transform, dropped):
     """Round 12 of the hostile tests: a row that ``nan_safe`` drops made ``jax.grad`` of
-    the clipped sum NaN; the same row given weight 0 gives the reference."""
+    the clipped sum NaN (the same row given weight 0 gave the reference); its value, and
+    ``jax.jacfwd``, stay those of the kept rows."""
     p = jnp.asarray([0.3, -0.5, 1.1])
-    x = jnp.asarray([[jnp.nan, 1.0, 1.0], [1.0, 2.0, 3.0], [2.0, 1.0, 4.0], [0.7, 1.5, 0.6]])
+    x = np.asarray([[1.0, 1.0, 1.0], [1.0, 2.0, 3.0], [2.0, 1.0, 4.0], [0.7, 1.5, 0.6]])
+    x[dropped, 0] = np.nan
     v = jnp.asarray([1.0, -0.3, 0.2])
     loss = lambda p, x: jnp.sum(jnp.tanh(p / x))  # noqa: E731
+    scale = (lambda g: g) if transform is None else transform
 
     def reference(q):
-        grads = jax.vmap(jax.grad(loss), (None, 0))(q, x[1:])
-        return jnp.vdot(clipped_sum(grads, 0.4), v)
+        grads = jax.vmap(jax.grad(loss), (None, 0))(q, x[max(dropped) + 1 :])
+        return jnp.vdot(scale(clipped_sum(grads, 0.4)), v)
 
+    options = {"clip_method": method} if transform is None else {"transform_fn": transform}
     fn = micro_grad(
         loss, batch_argnums=1, microbatch_size=2, keep_batch_dim=False, l2_clip_norm=0.4,
-        nan_safe=True, clip_method="ghost",
+        nan_safe=True, **options,
     )  # fmt: skip
-    got = jax.grad(lambda q: jnp.vdot(fn(q, x)[0], v))(p)
-    assert_close(got, jax.grad(reference)(p), terms=4)
+    outer = lambda q: jnp.vdot(fn(q, jnp.asarray(x))[0], v)  # noqa: E731
+    assert_close(outer(p), reference(p), terms=4)
+    assert_close(jax.grad(outer)(p), jax.grad(reference)(p), terms=4)
+    if method == "auto" and transform is None:
+        assert_close(jax.jacfwd(outer)(p), jax.grad(reference)(p), terms=4)
 
 
 def _squared_error(w, x, y):

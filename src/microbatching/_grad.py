@@ -15,6 +15,7 @@ from . import (
     _batch,
     _checks,
     _clipping,
+    _dropped,
     _fsdp,
     _layout,
     _methods,
@@ -255,29 +256,38 @@ class _Calls:
         # where each device folds its own rows and means are sums until the devices combine.
         self.local = dataclasses.replace(settings, mesh_axes=None)
         self.folds = _fsdp.local_kinds(kinds)
+        safe = self._drops_in_derivatives
         if request.summed:
             self.looped = _vmap.loop_over(
-                _methods.summed(request, kinds, settings), example.axes, settings
+                safe(_methods.summed(request, kinds, settings), settings), example.axes, settings
             )
             self.per_shard = _fsdp.supports_summed(kinds, settings.count)
-            self.local_step = _methods.summed(request, self.folds, self.local)
+            self.local_step = safe(_methods.summed(request, self.folds, self.local), self.local)
             self.statistics: Any = None  # the summed loop runs the statistics method too
         else:
             self.statistics = (
-                _vmap.loop_over(_methods.summed(request, kinds, settings), example.axes, settings)
+                _vmap.loop_over(
+                    safe(_methods.summed(request, kinds, settings), settings),
+                    example.axes,
+                    settings,
+                )
                 if request.reads_statistics
                 else None
             )
             one = _per_example.per_example(
                 example, request.clipping, request.transform, request.metrics
             )
-            self.looped = _vmap.build(one, example.axes, jax.vmap, settings)
+            self.looped = _vmap.build(
+                one, example.axes, jax.vmap, settings, lambda step: _unplanned(safe, step, settings)
+            )
             self.per_shard = _fsdp.supports(kinds, settings.count)
             folded = dataclasses.replace(
                 self.local, accumulator=(self.folds, AccumulationType.CONCAT)
             )
             aggregated = _vmap.aggregated(one, example.axes, jax.vmap, folded)
-            self.local_step = lambda plan, weights, *a, **k: aggregated(weights, *a, **k)
+            self.local_step = safe(
+                lambda plan, weights, *a, **k: aggregated(weights, *a, **k), self.local
+            )
         self.local_loops: dict[Any, Any] = {}
 
     def __call__(
@@ -290,6 +300,8 @@ class _Calls:
         if request.per_example_reason is not None:
             example.check_varying(args, kwargs, request.per_example_reason)
         self.unsplit.check(args)
+        if weights is None and self._nan_safe:
+            weights = _every_row(_per_example.find_batched(example.axes, args, kwargs))
         plan = self.plan(args, kwargs, weights)
         layout, nums = plan.layout, example.nums()
         if layout is not None and self.per_shard and _runs_per_shard(layout, settings):
@@ -407,6 +419,21 @@ class _Calls:
             self.local_loops[key] = lambda a, k, w: loop(a, k, w, plan)
         return self.local_loops[key]
 
+    @property
+    def _nan_safe(self) -> bool:
+        clipping = self.request.clipping
+        return clipping is not None and clipping.nan_safe
+
+    def _drops_in_derivatives(self, step: Any, settings: Settings) -> Any:
+        """``step(plan, weights, *args, **kwargs)``; under ``nan_safe``, its derivatives
+        leave out the rows it drops (``_dropped``), which needs the weights that
+        ``__call__`` then always passes."""
+        if not self._nan_safe:
+            return step
+        kept = _methods.kept(self.request, settings)
+        axes = self.request.example.axes
+        return _dropped.drops_in_derivatives(step, kept, axes, settings.mesh_axes)
+
     def _closes_over_traced_values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether ``fun`` or the clipping options hold values traced by an enclosing
         ``jit``: a ``shard_map`` on an Explicit mesh cannot close over them (JAX 0.10)."""
@@ -417,6 +444,25 @@ class _Calls:
         losses = _vmap.vmapped(example.loss, example.axes, jax.vmap)
         closed = jax.make_jaxpr(losses)(*args, **kwargs)
         return any(isinstance(x, Tracer) for x in [*jax.tree.leaves(bound), *closed.consts])
+
+
+def _unplanned(safe: Callable[[Any, Settings], Any], step: Any, settings: Settings) -> Any:
+    """``safe`` of a step without a plan, ``step(weights, *args, **kwargs)``."""
+    planned = safe(lambda plan, weights, *a, **k: step(weights, *a, **k), settings)
+    return lambda weights, *a, **k: planned(None, weights, *a, **k)
+
+
+def _every_row(first: Any) -> Any:
+    """Weights of True for each row of the batch leaf ``first`` (its axis 0), laid out
+    and varying as it is; None without a batch."""
+    if first is None:
+        return None
+    sharding = _sharding.explicit_sharding(first)
+    if sharding is not None:
+        sharding = _sharding.with_spec(sharding, _sharding.entries(sharding.spec, first.ndim)[:1])
+    out = jax.numpy.ones(first.shape[:1], bool, out_sharding=sharding)
+    varying = _sharding.varying(jax.typeof(first))
+    return jax.lax.pcast(out, varying, to="varying") if varying else out
 
 
 def _plain(x: Any) -> Any:

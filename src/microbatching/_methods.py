@@ -586,3 +586,33 @@ def _open_all(grads: PyTree, requested: Any, merge: str | None, where: Any = Non
         grads,
         is_leaf=_layout.is_open,
     )
+
+
+def kept(request: GradRequest, settings: Settings) -> Callable[..., jax.Array]:
+    """``kept(plan, weights, args, kwargs)``: which rows of a microbatch the step of
+    ``plan`` (None: the per-example path) keeps under ``nan_safe``: a weight other than 0
+    and finite norms, read as that step reads them (``_dropped``)."""
+    sums, axes, mesh_axes = request.sums(settings), request.example.axes, settings.mesh_axes
+
+    def finite(method: Method, *args: Any, **kwargs: Any) -> jax.Array:
+        if method in (GHOST, STATISTICS, TWO_PASS):
+            norms = _per_example.ghost_norms(sums, args, kwargs)
+            if isinstance(norms, str):  # the plan read the same program before the loop
+                raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {norms}.")
+        else:
+            norms = _per_example.materialized_norms(sums, args, kwargs)
+        return jnp.all(jnp.isfinite(norms), axis=1)
+
+    def rows(plan: GradPlan | None, weights: Any, args: Any, kwargs: Any) -> jax.Array:
+        method = MATERIALIZE if plan is None else plan.method
+        first = _per_example.first_batched(axes, args, kwargs)
+        where = _layout.shards(first, 0, mesh_axes)
+        if where is None:
+            keep = finite(method, *args, **kwargs)
+        else:
+            local = lambda w, *a, **k: finite(method, *a, **k)  # noqa: E731
+            keep = _per_example.by_shard(local, axes, where, None, args, kwargs)
+            keep = _layout.unchunk(keep, where)
+        return keep & (weights != 0)
+
+    return rows

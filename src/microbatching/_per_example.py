@@ -632,6 +632,17 @@ def _in_chunks(
     return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
 
 
+def materialized_norms(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> jax.Array:
+    """``(rows, leaves)`` norms of each example's gradient leaves, from the gradients
+    formed a chunk of rows at a time."""
+
+    def norms(*args: Any, **kwargs: Any) -> jax.Array:
+        grads = sums.each(*args, **kwargs)[1]
+        return _clipping.leaf_norms(grads, first_batched(sums.example.axes, args, kwargs).shape[0])
+
+    return _in_chunks(norms, sums.example, args, kwargs)
+
+
 def _describe(value: Any) -> str:
     shape = getattr(value, "shape", None)
     return f"a {type(value).__name__}" if shape is None else f"an array of shape {tuple(shape)}"

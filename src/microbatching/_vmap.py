@@ -113,8 +113,15 @@ def micro_vmap(
     return wraps(fun, looped, axes, settings, weights=True)
 
 
-def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
-    """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch.
+def build(
+    fun: Function,
+    axes: BatchAxes,
+    vmap_fn: VmapFn,
+    settings: Settings,
+    around: Callable[[Function], Function] | None = None,
+) -> Function:
+    """The loop over ``vmap_fn(fun)``, its outputs aggregated within each microbatch;
+    ``around`` may wrap that step.
 
     Unmapped arguments that an Explicit mesh splits over the batch's axes are gathered
     once, before the loop (``_fsdp.whole_over_batch_axes``).
@@ -123,7 +130,8 @@ def build(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -
     def whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _fsdp.whole_over_batch_axes(lambda w: axes.spec(w) is not None, args, kwargs)
 
-    return loop_over(aggregated(fun, axes, vmap_fn, settings), axes, settings, whole)
+    step = aggregated(fun, axes, vmap_fn, settings)
+    return loop_over(step if around is None else around(step), axes, settings, whole)
 
 
 def aggregated(fun: Function, axes: BatchAxes, vmap_fn: VmapFn, settings: Settings) -> Function:
