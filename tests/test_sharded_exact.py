@@ -485,6 +485,38 @@ def test_a_whole_shard_of_nan_padding_reaches_no_outer_derivative(axis_type, met
     assert_close(got, want, dtype=np.float32, terms=BATCH)
 
 
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_a_row_that_nan_safe_drops_reaches_no_outer_derivative_on_a_mesh(axis_type, method):
+    """FSDP parameters, one NaN row: ``jax.grad`` through the ``nan_safe`` clipped sum
+    equals that of the other rows. (Found with it: XLA's constant folding of ``max``
+    passed over the NaN, and the overflow-safe norm read the row as norm 0.)"""
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(SHARDS, 3)).astype(np.float32)
+    x = rng.normal(size=(8, SHARDS)).astype(np.float32)
+    x[1, 0] = np.nan
+    options: dict[str, Any] = {"microbatch_size": 4, "l2_clip_norm": 0.5, "clip_method": method}
+    grad_fn = micro_grad(loss, keep_batch_dim=False, nan_safe=True, **options)
+    plain = micro_grad(loss, keep_batch_dim=False, **options)
+
+    def outer(w, fn, x, **weights):
+        return jnp.sum(fn(w, x, **weights)[0] ** 2)
+
+    stand_in = np.where(np.isfinite(x), x, 1.0)
+    keep = jnp.asarray(np.all(np.isfinite(x), axis=1))
+    want = jax.grad(outer)(w, plain, stand_in, example_weights=keep)
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        ws, xs = _put(mesh, w, FSDP), _put(mesh, x, P("data"))
+        # the batch a constant of the program: XLA folds its norms
+        got = jax.jit(jax.grad(lambda w: outer(w, grad_fn, xs)))(ws)
+    assert_close(got, want, dtype=np.float32, terms=8)
+
+
 def _fsdp_step(axis_type: AxisType, **options: Any) -> tuple[Any, Any, str, int]:
     """``micro_grad`` of the embedding model with FSDP parameters under ``jit`` with
     in and out shardings: its gradients, the reference sum, its HLO and its temp bytes."""

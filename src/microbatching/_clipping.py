@@ -93,7 +93,9 @@ def _scaled_norms(values: list[jax.Array], rows: int, dtype: Any) -> jax.Array:
     down = power_of_two(-k, dtype)
     squares = sum(jnp.sum(jnp.square(v * _at_rows(down, v)), axis=_rest(v)) for v in values)
     norms = sqrt(squares) * power_of_two(k, dtype)
-    return jnp.where(usable, norms, largest)
+    # A NaN reaches ``squares`` whatever the order of the terms; XLA:CPU's ``max`` may
+    # return a row's other entries past it in some fusions (a row of NaN read as norm 0).
+    return jnp.where(usable, norms, jnp.where(jnp.isnan(squares), squares, largest))
 
 
 def exponent(m: jax.Array) -> jax.Array:
