@@ -417,9 +417,11 @@ def test_help_shows_readable_defaults():
 # --- inside jax.shard_map, where arrays vary over manual mesh axes ---------------------
 
 
-def _shard_map(fun):
+def _shard_map(fun, in_specs=None):
+    """``fun`` in a shard_map over 4 devices, every argument split over them by default."""
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
-    return jax.jit(jax.shard_map(fun, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    specs = P("data") if in_specs is None else in_specs
+    return jax.jit(jax.shard_map(fun, mesh=mesh, in_specs=specs, out_specs=P("data")))
 
 
 X16 = jnp.arange(16.0)
@@ -464,6 +466,14 @@ def test_micro_grad_inside_shard_map_matches_vmap_of_grad_there(clip):
     assert_close(_shard_map(ours)(X16), _shard_map(reference)(X16), terms=4)
 
 
+_SUMMED = Accumulator(
+    init=lambda s: jnp.zeros(s.shape, s.dtype),
+    update=lambda carry, x, i: carry + x,
+    finalize=lambda carry: carry,
+    aggregate=lambda xs: jnp.sum(xs, axis=0),
+)
+
+
 @pytest.mark.parametrize(
     ("options", "why"),
     [
@@ -490,21 +500,173 @@ def test_per_example_gradients_of_a_replicated_parameter_in_shard_map_are_refuse
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="round 12, open: MAX and MIN of a replicated parameter's per-example gradients "
-    "in shard_map are not refused (issue 23's closing note, 2026-12-03)",
-)
 def test_max_of_a_replicated_parameter_in_shard_map_is_refused():
+    """Without the refusal every device returned the largest of the examples' gradients
+    summed over the devices, which is no example's (round 12)."""
+
     def ours(x):
         fn = micro_grad(
             jnp.dot, microbatch_size=2, keep_batch_dim=False, accumulator=AccumulationType.MAX
         )
         return fn(WEIGHT, x)[0][None]
 
-    with pytest.raises(ValueError, match=r"inside jax\.shard_map"):
+    with pytest.raises(
+        ValueError, match=r"^micro_grad with accumulator=MAX inside jax\.shard_map: the batch"
+    ):
         _shard_map(ours)(X16)
+
+
+@pytest.mark.parametrize(
+    ("accumulator", "why"),
+    [
+        (AccumulationType.MIN, "accumulator=MIN"),
+        (CONCAT, "accumulator=CONCAT"),
+        (_SUMMED, "a custom Accumulator"),
+    ],
+)
+def test_accumulators_of_a_replicated_parameter_in_shard_map_are_refused(accumulator, why):
+    """An extremum, the rows of CONCAT and a custom accumulator read each example's
+    gradient, which JAX's derivative summed over the devices."""
+
+    def ours(x):
+        fn = micro_grad(jnp.dot, microbatch_size=2, keep_batch_dim=False, accumulator=accumulator)
+        return fn(WEIGHT, x)[0][None]
+
+    message = (
+        f"micro_grad with {why} inside jax.shard_map: the batch varies over the mesh axes "
+        "'data', but `a` does not (type float32[]), so JAX's derivative would sum each "
+        "example's gradient over those devices before micro_grad sees it. Pass the "
+        "parameters as varying, `jax.lax.pcast(a, 'data', to='varying')`, and combine the "
+        "devices' results after, e.g. `jax.lax.psum(grads, 'data')`."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        _shard_map(ours)(X16)
+
+
+# Device 1's second microbatch (its rows 1 and 3) has weight 0 only.
+W16 = jnp.asarray([1, 3, 0.5, 2, 2, 0, 1, 0, 0.5, 1, 1, 4, 1, 2, 3, 1], jnp.float32)
+
+
+def _tanh_loss(w, v):
+    return jnp.tanh(w / (1 + v**2))
+
+
+@pytest.mark.parametrize(
+    ("accumulator", "weighted"),
+    [(SUM, True), (MEAN, False), (AccumulationType.RUNNING_MEAN, False)],
+)
+def test_summed_gradient_of_a_replicated_parameter_in_shard_map_is_jax_grad_there(
+    accumulator, weighted
+):
+    """What needs no example's own gradient is left to JAX's derivative, which sums each
+    microbatch's over the devices: the result is jax.grad's of the (weighted) loss there.
+    A device whose microbatch kept no row zeroed that sum, the other devices' rows with
+    it (round 12)."""
+    mean = accumulator is not SUM
+
+    def reference(x, w):
+        def total(p):
+            values = jax.vmap(_tanh_loss, (None, 0))(p, x) * w
+            return jnp.sum(values) / (x.shape[0] if mean else 1)
+
+        return jax.grad(total)(WEIGHT)[None]
+
+    def ours(x, w):
+        fn = micro_grad(
+            _tanh_loss, microbatch_size=2, keep_batch_dim=False, accumulator=accumulator
+        )
+        return fn(WEIGHT, x, example_weights=w if weighted else None)[0][None]
+
+    w = W16 if weighted else jnp.ones_like(W16)
+    got = _shard_map(ours)(X16, w)
+    assert_close(got, _shard_map(reference)(X16, w), terms=8)
+    assert_close(got, jnp.full(4, got[0]), terms=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"accumulator": MEAN}, "example_weights and accumulator=MEAN"),
+        (
+            {"accumulator": AccumulationType.RUNNING_MEAN},
+            "example_weights and accumulator=RUNNING_MEAN",
+        ),
+        (
+            {"clip_method": "materialize"},
+            "example_weights on each example's gradient (the materialize method)",
+        ),
+    ],
+)
+def test_weights_on_a_replicated_parameter_in_shard_map_are_refused(options, why):
+    """Each device's weights would divide (the means) or scale (per-example gradients) the
+    gradients that JAX's derivative summed over all devices."""
+
+    def ours(x, w):
+        fn = micro_grad(_tanh_loss, microbatch_size=2, keep_batch_dim=False, **options)
+        return fn(WEIGHT, x, example_weights=w)[0][None]
+
+    message = (
+        f"micro_grad with {why} inside jax.shard_map: the batch and example_weights vary over "
+        "the mesh axes 'data', but `w` does not (type float32[]), so JAX's derivative would "
+        "sum each example's gradient over those devices before micro_grad sees it. Pass the "
+        "parameters as varying, `jax.lax.pcast(w, 'data', to='varying')`, and combine the "
+        "devices' results after, e.g. `jax.lax.psum(grads, 'data')`."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        _shard_map(ours)(X16, W16)
+
+
+def _clipped_rows(p, x, clip):
+    g = jax.vmap(jax.grad(_tanh_loss), (None, 0))(p, x)
+    return g * jnp.minimum(1.0, clip / jnp.abs(g))
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "materialize", "two_pass", "chunked"])
+def test_replicated_batch_with_weights_split_in_shard_map(method):
+    """The batch the same on every device, its example_weights split: each device sums its
+    own weighting of the same rows. The batch varies as its weights do; it failed inside
+    JAX (round 12)."""
+    x = X16[:4]
+
+    def varying(p):
+        return jax.lax.pcast(p, "data", to="varying")
+
+    def reference(x, w):
+        return jnp.sum(_clipped_rows(varying(WEIGHT), x, 0.15) * w)[None]
+
+    def ours(x, w):
+        fn = micro_grad(
+            _tanh_loss,
+            microbatch_size=2,
+            keep_batch_dim=False,
+            l2_clip_norm=0.15,  # clips three of the four rows
+            clip_method=method,
+        )
+        return fn(varying(WEIGHT), x, example_weights=w)[0][None]
+
+    specs = (P(), P("data"))
+    assert_close(_shard_map(ours, specs)(x, W16), _shard_map(reference, specs)(x, W16), terms=4)
+
+
+def test_replicated_batch_with_weights_split_in_shard_map_refuses_a_replicated_parameter():
+    def ours(x, w):
+        fn = micro_grad(_tanh_loss, microbatch_size=2, keep_batch_dim=False, l2_clip_norm=0.4)
+        return fn(WEIGHT, x, example_weights=w)[0][None]
+
+    with pytest.raises(
+        ValueError,
+        match=r"^micro_grad with l2_clip_norm inside jax\.shard_map: example_weights vary over "
+        r"the mesh axes 'data', but `w` does not \(type float32\[\]\)",
+    ):
+        _shard_map(ours, (P(), P("data")))(X16[:4], W16)
+
+
+def test_micro_vmap_of_a_replicated_batch_with_weights_split_in_shard_map():
+    def ours(x, w):
+        return micro_vmap(jnp.sin, microbatch_size=2, accumulator=SUM)(x, example_weights=w)[None]
+
+    got = _shard_map(ours, (P(), P("data")))(X16[:4], W16)
+    assert_close(got, W16.reshape(4, 4) @ jnp.sin(X16[:4]), terms=4)
 
 
 @pytest.mark.x64

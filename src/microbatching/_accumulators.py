@@ -513,11 +513,14 @@ def _split(treedef: Any, tree: PyTree) -> list[Any]:
         ) from err
 
 
+def kinds(accumulator: Any) -> list[AccumulationType | Accumulator]:
+    """The leaves of an accumulator tree (checked by ``ensure_tree``), in order."""
+    return jax.tree.leaves(accumulator, is_leaf=_is_spec)
+
+
 def is_custom(accumulator: Any) -> bool:
     """Whether any leaf is an ``Accumulator`` rather than a built-in."""
-    return any(
-        isinstance(leaf, Accumulator) for leaf in jax.tree.leaves(accumulator, is_leaf=_is_spec)
-    )
+    return any(isinstance(leaf, Accumulator) for leaf in kinds(accumulator))
 
 
 def weighted_aggregate(
@@ -570,15 +573,15 @@ def weighted_aggregate(
 
 def is_linear(accumulator: Any) -> bool:
     """Whether every leaf is a built-in kind that commutes with sums (``Kind.linear``)."""
-    leaves = jax.tree.leaves(accumulator, is_leaf=_is_spec)
-    return all(isinstance(leaf, AccumulationType) and KINDS[leaf].linear for leaf in leaves)
+    return all(isinstance(k, AccumulationType) and KINDS[k].linear for k in kinds(accumulator))
 
 
 def averages_rows(accumulator: Any) -> bool:
     """Whether every leaf is a built-in kind whose microbatch result is the mean of its
     rows (MEAN, RUNNING_MEAN): ``per_row`` divides all of them by the rows."""
-    leaves = jax.tree.leaves(accumulator, is_leaf=_is_spec)
-    return all(isinstance(leaf, AccumulationType) and KINDS[leaf].rows == "mean" for leaf in leaves)
+    return all(
+        isinstance(k, AccumulationType) and KINDS[k].rows == "mean" for k in kinds(accumulator)
+    )
 
 
 def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:

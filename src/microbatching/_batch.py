@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sharding
 from ._signature import TOO_MANY, WEIGHTS, BatchAxes
 from ._typing import AxisSpec, Count
 
@@ -75,7 +76,9 @@ def locate(
 ) -> Batch:
     """The plan of one call: flattens it, finds each batched leaf, checks shapes and sizes.
 
-    ``weights`` (``example_weights``, or None) follow the call's leaves, with axis 0.
+    ``weights`` (``example_weights``, or None) follow the call's leaves, with axis 0;
+    inside ``shard_map`` each batched leaf is made to vary over the mesh axes that the
+    weights vary over (``_varying_as``).
     Without ``microbatch_size`` a weighted call runs as one microbatch of the whole batch.
     With ``pad`` a remainder runs in the loop as a whole microbatch whose padding rows are
     masked: a call without weights gets a mask of ones.
@@ -91,7 +94,12 @@ def locate(
         labels += [label + jax.tree_util.keystr(path) for path, _ in arg_leaves]
         axes += _axes_per_leaf(binding.spec(where), arg, label)
     if weights is not None:
-        leaves, labels, axes = [*leaves, _weights(weights, binding)], [*labels, WEIGHTS], [*axes, 0]
+        weights = _weights(weights, binding)
+        leaves = [
+            _varying_as(leaf, weights) if ax is not None else leaf
+            for leaf, ax in zip(leaves, axes, strict=True)
+        ]
+        leaves, labels, axes = [*leaves, weights], [*labels, WEIGHTS], [*axes, 0]
     axes = [
         _normalise_axis(ax, leaf, lab) for ax, leaf, lab in zip(axes, leaves, labels, strict=True)
     ]
@@ -146,6 +154,18 @@ def _weights(weights: Any, binding: BatchAxes) -> jax.Array | jax.ShapeDtypeStru
         f"{WEIGHTS} of {binding.transform} must be bool, integer or floating, got dtype "
         f"{kind}; pass real weights, or a boolean mask."
     )
+
+
+def _varying_as(leaf: Any, weights: Any) -> Any:
+    """A batched ``leaf`` made to vary over the manual mesh axes (inside ``shard_map``)
+    that its ``example_weights`` vary over: each device then weights its own copy of the
+    rows, and a row that the weights replace (``Loop.substitute``) keeps the type that
+    ``fun`` was traced with."""
+    if not isinstance(leaf, jax.Array | np.ndarray):
+        return leaf  # not an array: _normalise_axis says so
+    have = _sharding.varying_of(leaf)
+    missing = tuple(a for a in _sharding.varying_of(weights) if a not in have)
+    return jax.lax.pcast(jnp.asarray(leaf), missing, to="varying") if missing else leaf
 
 
 def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

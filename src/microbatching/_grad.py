@@ -297,12 +297,17 @@ class _Calls:
         example, settings = request.example, request.settings
         args, kwargs = example.axes.to_positions(args, kwargs)
         example.check_differentiable(args)
-        if request.per_example_reason is not None:
-            example.check_varying(args, kwargs, request.per_example_reason)
+        unvarying = example.unvarying(args, kwargs, weights)
+        if unvarying is not None and request.per_example_reason is not None:
+            raise unvarying.error(request.per_example_reason)
         self.unsplit.check(args)
         if weights is None and self._nan_safe:
             weights = _every_row(_per_example.find_batched(example.axes, args, kwargs))
         plan = self.plan(args, kwargs, weights)
+        if unvarying is not None and unvarying.weighted:
+            why = request.weights_reason(plan.method)
+            if why is not None:
+                raise unvarying.error(why)
         layout, nums = plan.layout, example.nums()
         if layout is not None and self.per_shard and _runs_per_shard(layout, settings):
             first = _per_example.first_batched(example.axes, args, kwargs)

@@ -203,13 +203,39 @@ class GradRequest:
     @property
     def per_example_reason(self) -> str | None:
         """What needs each example's own gradient (clipping, a ``transform_fn``, a
-        ``metrics_fn``), in words; None where only their sum is asked."""
+        ``metrics_fn``, an accumulator other than SUM, MEAN and RUNNING_MEAN), in words;
+        None where only their (weighted) sum is asked."""
         if self.clipping is not None:
             return "l2_clip_norm"
         if self.transform is not _per_example.identity:
             return "a transform_fn"
         if self.metrics is not _per_example.no_metrics:
             return "a metrics_fn"
+        for kind in _accumulators.kinds(self.accumulators):
+            if not isinstance(kind, _accumulators.AccumulationType):
+                return "a custom Accumulator"
+            if not _accumulators.KINDS[kind].linear:
+                return f"accumulator={kind.name}"
+        return None
+
+    def weights_reason(self, method: Method) -> str | None:
+        """Where ``example_weights`` differ between devices over which JAX's derivative
+        sums each example's gradient (inside ``shard_map``: ``_per_example.Unvarying``),
+        what of this call would mix one device's weights with the devices' summed
+        gradients, in words; None where the result is ``jax.grad``'s of the weighted loss
+        there.
+
+        A method that weights the loss before the derivative (``Method.scales_loss``: the
+        plain gradient) gives ``jax.grad``'s sum; the others weight each example's
+        gradient after it, and the means divide the summed gradients by one device's
+        weights.
+        """
+        for kind in _accumulators.kinds(self.accumulators):
+            built_in = isinstance(kind, _accumulators.AccumulationType)
+            if built_in and _accumulators.KINDS[kind].rows == "mean":
+                return f"example_weights and accumulator={kind.name}"
+        if not method.scales_loss:
+            return f"example_weights on each example's gradient (the {method.name} method)"
         return None
 
     @property

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _accumulators, _clipping, _ghost, _layout, _programs, _sharding, _statistics, _vmap
-from ._signature import BatchAxes
+from ._signature import WEIGHTS, BatchAxes
 from ._typing import Function, PyTree
 
 
@@ -63,6 +63,46 @@ identity = _Default(lambda tree: tree, "identity")
 """``micro_grad``'s default ``transform_fn``: the gradient unchanged."""
 no_metrics = _Default(lambda tree: None, "no_metrics")
 """``micro_grad``'s default ``metrics_fn``: no per-example metrics (None)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unvarying:
+    """Inside ``shard_map``, a differentiated leaf that does not vary over manual mesh
+    axes that the batch or its ``example_weights`` vary over (``Examples.unvarying``).
+
+    Attributes:
+      argument: The name of the differentiated argument that holds it.
+      leaf: The leaf, as the gradient's tree names it (``params['w']``).
+      type: Its type, short (``float32[3]``).
+      axes: The mesh axes it does not vary over.
+      by: What varies over them: ``"the batch"``, ``"example_weights"``, or both.
+    """
+
+    argument: str
+    leaf: str
+    type: str
+    axes: tuple[str, ...]
+    by: tuple[str, ...]
+
+    @property
+    def weighted(self) -> bool:
+        """Whether ``example_weights`` vary over these axes: each device's weights would
+        then scale (or divide) gradients summed over all of them."""
+        return WEIGHTS in self.by
+
+    def error(self, why: str) -> ValueError:
+        """The refusal of a call for ``why``, an option that the devices' summed
+        gradients cannot serve (``GradRequest.per_example_reason``, ``weights_reason``)."""
+        axes = repr(self.axes[0]) if len(self.axes) == 1 else repr(self.axes)
+        varies = f"{' and '.join(self.by)} {'varies' if self.by == ('the batch',) else 'vary'}"
+        return ValueError(
+            f"micro_grad with {why} inside jax.shard_map: {varies} over the mesh axes "
+            f"{axes}, but `{self.leaf}` does not (type {self.type}), so JAX's derivative "
+            "would sum each example's gradient over those devices before micro_grad sees "
+            "it. Pass the parameters as varying, "
+            f"`jax.lax.pcast({self.argument}, {axes}, to='varying')`, and combine the "
+            f"devices' results after, e.g. `jax.lax.psum(grads, {axes})`."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,35 +189,39 @@ class Examples:
                         "nnx.split(model)`; or bind them with functools.partial."
                     )
 
-    def check_varying(self, args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> None:
-        """Inside ``shard_map``, raises a ValueError with a fix for a differentiated leaf
-        that does not vary over a manual mesh axis that the batch varies over: JAX's
-        derivative there sums each example's gradient over that axis's devices, so no
-        per-example gradient (``why`` needs them) is one example's."""
+    def unvarying(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], weights: Any
+    ) -> Unvarying | None:
+        """Inside ``shard_map``, the first differentiated leaf that does not vary over a
+        manual mesh axis that the batch or its ``example_weights`` vary over (the loop
+        makes the batch vary as its weights do, ``_batch.locate``); None elsewhere.
+
+        JAX's derivative sums each example's gradient over such an axis's devices, so the
+        gradient of the summed loss is what ``jax.grad`` gives there, but no per-example
+        gradient is one example's (``GradRequest.per_example_reason``), and the weights
+        of one device do not weight the others' rows (``GradRequest.weights_reason``)."""
         batch: set[str] = set()
-        for where, arg in [*enumerate(args), *kwargs.items()]:
-            if self.axes.spec(where) is not None:
-                for leaf in jax.tree.leaves(arg):
-                    batch.update(_sharding.varying(jax.typeof(leaf)))
-        if not batch:
-            return
+        for _, arg in batch_arguments(self.axes, args, kwargs):
+            for leaf in jax.tree.leaves(arg):
+                batch.update(_sharding.varying_of(leaf))
+        weighted = set(_sharding.varying_of(weights))
+        if not batch | weighted:
+            return None
         for i in self.nums():
             if i >= len(args) or self.axes.spec(i) is not None:
                 continue
             name = self.axes.label(i)
             for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
-                missing = sorted(batch - set(_sharding.varying(jax.typeof(leaf))))
+                missing = tuple(sorted((batch | weighted) - set(_sharding.varying_of(leaf))))
                 if missing:
-                    axes = repr(missing[0]) if len(missing) == 1 else repr(tuple(missing))
-                    raise ValueError(
-                        f"micro_grad with {why} inside jax.shard_map: the batch varies over "
-                        f"the mesh axes {axes}, but `{name}{jax.tree_util.keystr(path)}` "
-                        f"does not (type {jax.typeof(leaf).str_short()}), so JAX's "
-                        "derivative would sum each example's gradient over those devices "
-                        "before micro_grad sees it. Pass the parameters as varying, "
-                        f"`jax.lax.pcast({name}, {axes}, to='varying')`, and combine the "
-                        f"devices' results after, e.g. `jax.lax.psum(grads, {axes})`."
+                    by = tuple(
+                        source
+                        for source, axes in (("the batch", batch), (WEIGHTS, weighted))
+                        if axes & set(missing)
                     )
+                    leaf_name = f"{name}{jax.tree_util.keystr(path)}"
+                    return Unvarying(name, leaf_name, jax.typeof(leaf).str_short(), missing, by)
+        return None
 
     def value_and_grad(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], PyTree]:
         """One example's ``((value, aux), gradient)``, with respect to the expanded
@@ -328,8 +372,18 @@ def _kept(grads: PyTree, out: Aux, given: Any) -> tuple[PyTree, Aux]:
         return grads, out
     keep = given != 0
     out = jax.tree.map(lambda x: _masked(x, keep), out)
-    grads = jax.tree.map(lambda g: jnp.where(jnp.any(keep), g, jnp.zeros_like(g)), grads)
+    grads = jax.tree.map(lambda g: jnp.where(_any_kept(keep, g), g, jnp.zeros_like(g)), grads)
     return grads, out
+
+
+def _any_kept(keep: jax.Array, g: jax.Array) -> jax.Array:
+    """Whether a row that ``g`` sums is kept. Inside ``shard_map``, where ``keep`` varies
+    over mesh axes that ``g`` does not (JAX's derivative of a parameter that does not vary
+    summed ``g`` over their devices), whether a device keeps one: a device that keeps none
+    still holds the others' rows."""
+    kept = jnp.any(keep)
+    summed = sorted(set(_sharding.varying_of(keep)) - set(_sharding.varying_of(g)))
+    return jax.lax.psum(kept.astype(jnp.int32), summed) > 0 if summed else kept
 
 
 def statistics_in_chunks(
@@ -408,11 +462,7 @@ class _Split:
 def split_call(example: Examples, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Split:
     nums = example.nums()
     params, structure = jax.tree.flatten([args[i] for i in nums])
-    places = [
-        w
-        for w in [*range(len(args)), *kwargs]
-        if example.axes.spec(w) is not None and w not in nums
-    ]
+    places = [w for w, _ in batch_arguments(example.axes, args, kwargs) if w not in nums]
     data, batch = jax.tree.flatten([args[w] if isinstance(w, int) else kwargs[w] for w in places])
     aux: list[Any] = []
 
@@ -653,10 +703,17 @@ def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
+def batch_arguments(
+    axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[int | str, Any]]:
+    """The call's batch arguments, each with its position or keyword, in call order."""
+    return [(w, a) for w, a in [*enumerate(args), *kwargs.items()] if axes.spec(w) is not None]
+
+
 def find_batched(axes: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The call's first batched leaf, or None."""
-    for where, arg in [*enumerate(args), *kwargs.items()]:
-        if axes.spec(where) is not None and jax.tree.leaves(arg):
+    for _, arg in batch_arguments(axes, args, kwargs):
+        if jax.tree.leaves(arg):
             return jax.tree.leaves(arg)[0]
     return None
 

@@ -73,3 +73,9 @@ def varying(aval: Any) -> tuple[str, ...]:
     abstract value or a ``ShapeDtypeStruct``) vary; () elsewhere."""
     manual = getattr(aval, "manual_axis_type", None)
     return tuple(sorted(getattr(manual, "varying", ())))
+
+
+def varying_of(value: Any) -> tuple[str, ...]:
+    """The manual mesh axes that a JAX array (or tracer) varies over; () for anything
+    else, which is the same on every device (a NumPy array, a Python number)."""
+    return varying(jax.typeof(value)) if isinstance(value, jax.Array) else ()
