@@ -1357,6 +1357,32 @@ def test_an_outer_derivative_through_nan_safe_leaves_a_dropped_row_out(method, t
         assert_close(jax.jacfwd(outer)(p), jax.grad(reference)(p), terms=4)
 
 
+@pytest.mark.parametrize("method", ["ghost", "materialize"])
+def test_nan_safe_passes_derivatives_of_what_the_loss_closes_over_and_of_the_bound(method):
+    """Round 13: with ``nan_safe`` the step's derivative rule ignored what the loss closes
+    over (a derivative of 0 under ``jit``, a crash inside JAX eagerly) and a traced
+    ``l2_clip_norm`` (0)."""
+    w = jnp.asarray([1.0, -2.0, 0.5])
+    x = np.asarray([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0], [2.0, 0.1, -0.3], [np.nan, 0, 0]])
+
+    def reference(s, bound):
+        loss = lambda w, x: s * jnp.sum(jnp.sin(x @ w))  # noqa: E731
+        grads = jax.vmap(jax.grad(loss), (None, 0))(w, x[:3])
+        return jnp.sum(clipped_sum(grads, bound))
+
+    def clipped(s, bound):
+        loss = lambda w, x: s * jnp.sum(jnp.sin(x @ w))  # noqa: E731
+        fn = micro_grad(
+            loss, batch_argnums=1, keep_batch_dim=False, microbatch_size=2, l2_clip_norm=bound,
+            nan_safe=True, clip_method=method,
+        )  # fmt: skip
+        return jnp.sum(fn(w, jnp.asarray(x))[0])
+
+    want = jax.grad(reference, argnums=(0, 1))(0.3, 0.5)
+    assert_close(jax.jit(jax.grad(clipped, argnums=(0, 1)))(0.3, 0.5), want, terms=4)
+    assert_close(jax.grad(clipped)(0.3, 0.5), want[0], terms=4)
+
+
 def _squared_error(w, x, y):
     return (x @ w - y) ** 2
 

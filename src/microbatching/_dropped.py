@@ -53,25 +53,33 @@ def drops_in_derivatives(
             full = jax.tree.leaves((w, a, k))
             return tuple(full[i] for i in traced)
 
-        @jax.custom_jvp
-        def run(*values: Any) -> Any:
+        def plain(*values: Any) -> Any:
             w, a, k = rebuilt(values)
             return step(plan, w, *a, **k)
 
+        # What the step closes over (a value the loss holds, a traced bound) becomes an
+        # argument: a custom_jvp would give it no derivative.
+        dynamic = tuple(leaves[i] for i in traced)
+        converted, consts = jax.closure_convert(plain, *dynamic)
+        finds, found_with = jax.closure_convert(
+            lambda *values: kept(plan, *rebuilt(values)), *dynamic
+        )
+        count, used = len(dynamic), len(dynamic) + len(consts)
+
+        @jax.custom_jvp
+        def run(*values: Any) -> Any:
+            return converted(*values[:used])  # the rest: what ``kept`` closes over
+
         @run.defjvp
-        def derivative(values: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
-            out = run(*values)
-            w, a, k = rebuilt(values)
-            keep = kept(plan, w, a, k)
+        def derivative(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+            out = run(*primals)
+            w, a, k = rebuilt(primals[:count])
+            keep = finds(*primals[:count], *primals[used:])
             cleaned = flat(_zeroed(w, keep), *_standing_in(a, k, keep, axes, mesh_axes))
 
-            def along(*v: Any) -> Any:
-                return run.fun(*v)  # the step itself, not this rule again
-
             def moved() -> list[Any]:
-                return [
-                    t for t in jax.tree.leaves(jax.jvp(along, cleaned, tangents)[1]) if _moves(t)
-                ]
+                pushed = jax.jvp(converted, (*cleaned, *primals[count:used]), tangents[:used])[1]
+                return [t for t in jax.tree.leaves(pushed) if _moves(t)]
 
             leaves, structure = jax.tree.flatten(out)
             still = lambda: [jnp.zeros_like(o) for o in leaves if _moves(o)]  # noqa: E731
@@ -80,7 +88,7 @@ def drops_in_derivatives(
                 [next(floats) if _moves(o) else _no_tangent(o) for o in leaves]
             )
 
-        return run(*[leaves[i] for i in traced])
+        return run(*dynamic, *consts, *found_with)
 
     return safe
 
