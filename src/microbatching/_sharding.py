@@ -11,15 +11,24 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+from jax.core import AbstractValue
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
-    """The sharding of an array, tracer or ShapeDtypeStruct if its mesh has Explicit axes."""
-    sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    """The sharding of an array, tracer, ShapeDtypeStruct or abstract value if its mesh has
+    Explicit axes."""
+    sharding = type_of(x).sharding
     if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
         return sharding
     return None
+
+
+def type_of(x: Any) -> Any:
+    """The type of an array or tracer; a ShapeDtypeStruct or an abstract value is its own."""
+    if isinstance(x, jax.ShapeDtypeStruct | AbstractValue):
+        return x
+    return jax.typeof(x)
 
 
 def entries(spec: PartitionSpec, ndim: int) -> list[Any]:
@@ -59,9 +68,11 @@ def full(struct: Any, fill: Any, dtype: Any = None) -> jax.Array:
     sharding, and inside ``shard_map`` the manual mesh axes it varies over.
 
     (``jax.lax.full_like`` of such a struct fails inside a ``shard_map`` that leaves some
-    mesh axes automatic.)
+    mesh axes automatic. ``jnp.zeros(())`` alone is typed on no mesh at all: differentiated
+    inside ``vmap`` over an Explicit axis, its cotangent's reshard onto that empty mesh
+    fails in JAX 0.10.2.)
     """
-    aval = struct if isinstance(struct, jax.ShapeDtypeStruct) else jax.typeof(struct)
+    aval = type_of(struct)
     dtype = aval.dtype if dtype is None else dtype
     out = jax.numpy.full(aval.shape, fill, dtype, out_sharding=explicit_sharding(struct))
     axes = varying(aval)
