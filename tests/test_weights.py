@@ -320,6 +320,36 @@ def test_micro_grad_weights_mapped_by_vmap_on_an_explicit_mesh(clip_method):
     assert_close(got, (np.asarray(MAPPED_WEIGHTS, np.float64) * factors) @ grads, terms=4)
 
 
+@pytest.mark.parametrize("clip_method", ["auto", "materialize"])
+def test_a_derivative_through_nan_safe_with_weights_mapped_by_vmap_on_an_explicit_mesh(
+    clip_method,
+):
+    """``jax.grad`` of a function of the ``nan_safe`` clipped sum, under ``jax.vmap`` over
+    ``example_weights``, a batch with a NaN row sharded on an Explicit mesh: each row of
+    weights gives the derivative of the finite rows alone (the derivative's skip where
+    no row is kept was the same ``lax.cond``)."""
+    from jax.sharding import PartitionSpec as P
+
+    x = np.array(SIN_X)
+    x[5, 1] = np.nan
+    options = {"keep_batch_dim": False, "microbatch_size": 4, "l2_clip_norm": 1.0}
+    grad_fn = micro_grad(sin_loss, clip_method=clip_method, nan_safe=True, **options)
+    plain = micro_grad(sin_loss, clip_method=clip_method, **options)
+
+    def outer(w, fn, x, weights):
+        return jnp.sum(fn(w, x, example_weights=weights)[0] ** 2)
+
+    finite = jnp.asarray(np.all(np.isfinite(x), axis=1))
+    stand_in = jnp.asarray(np.where(np.isfinite(x), x, 1.0))
+    want = [
+        jax.grad(outer)(SIN_W, plain, stand_in, jnp.where(finite, w, 0)) for w in MAPPED_WEIGHTS
+    ]
+    with jax.set_mesh(_explicit_mesh()):
+        xs, ws = jax.device_put(x, P("data")), jax.device_put(MAPPED_WEIGHTS, P(None, "data"))
+        got = jax.jit(jax.vmap(lambda w: jax.grad(outer)(SIN_W, grad_fn, xs, w)))(ws)
+    assert_close(got, jnp.stack(want), terms=4)
+
+
 def test_a_traced_count_mapped_by_vmap_on_an_explicit_mesh():
     """``jax.vmap`` over ``num_real_microbatches``, the batch sharded on an Explicit
     mesh: each count runs its own microbatches (the skip of the others, and of a
