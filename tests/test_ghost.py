@@ -730,6 +730,41 @@ def test_norms_and_clipped_sum_on_a_mesh(axis_type, method):
     assert_close(aux.metrics, norms(grads))
 
 
+def scalar_site(loss: Callable[..., Any]) -> Model:
+    """``loss`` of one example, a row of 3 features, whose site gives a scalar per example
+    (a dot of two vectors, or a scalar parameter), then not linear in it."""
+    rng = np.random.default_rng(6)
+    params = {"v": normal(rng, 3), "s": jnp.float32(0.7)}
+    return Model(loss, params, (jnp.asarray(rng.uniform(0.5, 2.0, (16, 3)), jnp.float32),))
+
+
+SCALAR_SITES = {
+    "tanh of a dot": lambda p, x: p["s"] * jnp.tanh(x @ p["v"]),
+    "sum of the sine of a dot": lambda p, x: jnp.sum(jnp.sin(jnp.dot(x, p["v"]) * p["s"])),
+    "a scalar parameter times a dot": lambda p, x: jnp.tanh(p["s"] * (x @ p["v"])),
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "two_pass"])
+@pytest.mark.parametrize("name", SCALAR_SITES)
+def test_scalar_sites_on_an_explicit_mesh(name, method):
+    """A per-example scalar at a site, the batch sharded on an Explicit mesh: the ghost
+    pass over each shard's rows runs (its tap on the scalar, typed on no mesh, made the
+    backward pass reshard onto an empty mesh inside the shards' vmap, and fail)."""
+    model = scalar_site(SCALAR_SITES[name])
+    grads = per_example_grads(model)
+    clip = median_norm(grads)
+    fn = grad_fn(model, l2_clip_norm=clip, clip_method=method, metrics_fn=microbatching.l2_norm)
+    mesh = jax.make_mesh(
+        (4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
+        got, aux = jax.jit(fn)(model.params, *batch)
+    assert_close(got, clipped_sum(grads, clip), terms=4)
+    assert_close(aux.metrics, norms(grads))
+
+
 # --- 3. the clip methods ----------------------------------------------------------------------
 
 METHODS = ["auto", "ghost", "two_pass", "chunked", "materialize"]

@@ -464,6 +464,36 @@ def test_tensor_parallel_parameters_on_a_2d_auto_mesh(layout, path):
     assert {k: in_loop[k] for k in MOVES_DATA} == dict.fromkeys(MOVES_DATA, 0)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["alone", "under_vmap"])
+def test_tensor_parallel_parameters_with_materialized_norms_on_a_2d_explicit_mesh(mapped):
+    """Per-example gradients sharded over "model" on an Explicit ("data", "model") mesh,
+    their norms taken per leaf: exact, alone and under ``jax.vmap`` over the parameters
+    (the norms' check of their sums of squares, a ``lax.cond`` on a predicate that the
+    vmap over the shards maps, was a select that refused the "model" axis)."""
+    mesh = _mesh(AxisType.Explicit, (2, 4), ("data", "model"))
+    w = random_array(2, (16, 8), jnp.float32) / 4
+    stacked = jnp.stack([w, -2 * w])
+    x = random_array(3, (16, 16), jnp.float32)
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
+    grad_fn = micro_grad(
+        loss, keep_batch_dim=False, microbatch_size=4, l2_clip_norm=5.0, clip_method="materialize"
+    )
+    one = lambda w, x: grad_fn(w, x)[0]  # noqa: E731
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        if mapped:
+            ws = jax.device_put(stacked, NamedSharding(mesh, P(None, None, "model")))
+            got = jax.jit(jax.vmap(one, (0, None)))(ws, xs)
+        else:
+            got = jax.jit(one)(jax.device_put(w, NamedSharding(mesh, P(None, "model"))), xs)
+    clip = clipper(5.0)  # about half the examples clipped
+    want = [
+        jnp.sum(jax.vmap(lambda r, p=p: clip(jax.grad(loss)(p, r)))(x), 0)
+        for p in (stacked if mapped else w[None])
+    ]
+    assert_close(got, jnp.stack(want) if mapped else want[0], terms=4)
+
+
 def test_fsdp_step_memory_is_below_the_whole_batch_and_shrinks_with_the_microbatch():
     """Issue 15's goal: with FSDP parameters (gathered per microbatch) the microbatched
     step's temp per device is at most the whole-batch step's, and shrinks from

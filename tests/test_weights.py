@@ -9,7 +9,7 @@ import pytest
 from microbatching import AccumulationType, Accumulator, micro_grad, micro_vmap, microbatch
 
 from .strategies import ROWS_W as W
-from .strategies import assert_close, random_array, rows, weighted
+from .strategies import SIN_W, SIN_X, assert_close, random_array, rows, sin_loss, weighted
 from .strategies import two_layer_loss as _loss
 from .strategies import two_layer_params as _params
 
@@ -261,6 +261,131 @@ def test_weights_compose_with_grad_and_vmap():
     want_loss = lambda w, p: jnp.sum(jnp.sin(weighted(MEAN, rows(x, p), w)))  # noqa: E731
     w0 = batch_of_weights[0]
     assert_close(jax.grad(loss, (0, 1))(w0, W), jax.grad(want_loss, (0, 1))(w0, W), terms=3)
+
+
+MAPPED_WEIGHTS = jnp.asarray(
+    np.stack(
+        [np.arange(16) % 3 != 0, np.random.default_rng(1).uniform(0.1, 2.0, 16), np.zeros(16)]
+    ),
+    F32,
+)
+"""Three rows of weights for a batch of 16 under ``jax.vmap``: a mask, weights, all 0."""
+
+
+def _explicit_mesh() -> jax.sharding.Mesh:
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(
+        (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+
+
+def test_weights_mapped_by_vmap_on_an_explicit_mesh():
+    """``jax.vmap`` over ``example_weights``, the batch sharded on an Explicit mesh: each
+    row of weights gives its own results and derivatives, a row of zeros included (the
+    loop's skip of a microbatch was a ``lax.cond`` on a predicate that vmap maps, which
+    JAX turned into a select that refused the sharded batch)."""
+    from jax.sharding import PartitionSpec as P
+
+    x = random_array(0, (16, 3), F32)
+    mapped = micro_vmap(lambda x: (rows(x), rows(x)), microbatch_size=4, accumulator=(SUM, CONCAT))
+    total = lambda w, x: jnp.sum(mapped(x, example_weights=w)[0])  # noqa: E731
+    with jax.set_mesh(_explicit_mesh()):
+        xs, ws = jax.device_put(x, P("data")), jax.device_put(MAPPED_WEIGHTS, P(None, "data"))
+        got = jax.jit(jax.vmap(lambda w: mapped(xs, example_weights=w)))(ws)
+        slopes = jax.jit(jax.vmap(jax.grad(total), (0, None)))(ws, xs)
+    ys = rows(x)
+    for i, w in enumerate(MAPPED_WEIGHTS):
+        assert_close(got[0][i], weighted(SUM, ys, w), terms=4)
+        assert_close(got[1][i], weighted(CONCAT, ys, w))
+        # an example of weight 0 is never evaluated: its weight's derivative is 0
+        assert_close(slopes[i], jnp.where(w != 0, jnp.sum(ys, axis=1), 0))
+
+
+@pytest.mark.parametrize("clip_method", [None, "auto", "materialize"])
+def test_micro_grad_weights_mapped_by_vmap_on_an_explicit_mesh(clip_method):
+    """The same for ``micro_grad``: unclipped, and clipped with the norms read off the
+    per-example dot (``auto``) or from the per-example gradients."""
+    from jax.sharding import PartitionSpec as P
+
+    options = {} if clip_method is None else {"l2_clip_norm": 1.0, "clip_method": clip_method}
+    grad_fn = micro_grad(sin_loss, keep_batch_dim=False, microbatch_size=4, **options)
+    with jax.set_mesh(_explicit_mesh()):
+        xs, ws = jax.device_put(SIN_X, P("data")), jax.device_put(MAPPED_WEIGHTS, P(None, "data"))
+        got = jax.jit(jax.vmap(lambda w: grad_fn(SIN_W, xs, example_weights=w)[0]))(ws)
+    grads = np.asarray(jax.vmap(jax.grad(sin_loss), (None, 0))(SIN_W, SIN_X), np.float64)
+    factors = np.ones(16)
+    if clip_method is not None:
+        factors = np.minimum(1.0, 1.0 / np.linalg.norm(grads, axis=1))
+    assert_close(got, (np.asarray(MAPPED_WEIGHTS, np.float64) * factors) @ grads, terms=4)
+
+
+@pytest.mark.parametrize("clip_method", ["auto", "materialize"])
+def test_a_derivative_through_nan_safe_with_weights_mapped_by_vmap_on_an_explicit_mesh(
+    clip_method,
+):
+    """``jax.grad`` of a function of the ``nan_safe`` clipped sum, under ``jax.vmap`` over
+    ``example_weights``, a batch with a NaN row sharded on an Explicit mesh: each row of
+    weights gives the derivative of the finite rows alone (the derivative's skip where
+    no row is kept was the same ``lax.cond``)."""
+    from jax.sharding import PartitionSpec as P
+
+    x = np.array(SIN_X)
+    x[5, 1] = np.nan
+    options = {"keep_batch_dim": False, "microbatch_size": 4, "l2_clip_norm": 1.0}
+    grad_fn = micro_grad(sin_loss, clip_method=clip_method, nan_safe=True, **options)
+    plain = micro_grad(sin_loss, clip_method=clip_method, **options)
+
+    def outer(w, fn, x, weights):
+        return jnp.sum(fn(w, x, example_weights=weights)[0] ** 2)
+
+    finite = jnp.asarray(np.all(np.isfinite(x), axis=1))
+    stand_in = jnp.asarray(np.where(np.isfinite(x), x, 1.0))
+    want = [
+        jax.grad(outer)(SIN_W, plain, stand_in, jnp.where(finite, w, 0)) for w in MAPPED_WEIGHTS
+    ]
+    with jax.set_mesh(_explicit_mesh()):
+        xs, ws = jax.device_put(x, P("data")), jax.device_put(MAPPED_WEIGHTS, P(None, "data"))
+        got = jax.jit(jax.vmap(lambda w: jax.grad(outer)(SIN_W, grad_fn, xs, w)))(ws)
+    assert_close(got, jnp.stack(want), terms=4)
+
+
+def test_a_traced_count_mapped_by_vmap_on_an_explicit_mesh():
+    """``jax.vmap`` over ``num_real_microbatches``, the batch sharded on an Explicit
+    mesh: each count runs its own microbatches (the skip of the others, and of a
+    remainder run apart, is the same ``lax.cond`` on a mapped predicate)."""
+    from jax.sharding import PartitionSpec as P
+
+    x = random_array(0, (20, 3), F32)  # microbatches of 8: rows {0, 2, ..., 14}, {1, ..., 15}
+    counts = jnp.asarray([0, 1, 2, 3], jnp.int32)  # and the remainder {16, ..., 19}
+    which = np.arange(20)
+    microbatch_of = np.where(which < 16, which % 2, 2)
+
+    def summed(count, x):
+        looped = micro_vmap(rows, microbatch_size=8, accumulator=SUM, num_real_microbatches=count)
+        return looped(x)
+
+    def apart(count, x):
+        remainder = microbatch(
+            lambda x: jnp.sum(rows(x), 0),
+            0,
+            8,
+            SUM,
+            allow_remainder=True,
+            num_real_microbatches=count,
+        )
+        return remainder(x)
+
+    with jax.set_mesh(_explicit_mesh()):
+        xs, whole = jax.device_put((x[:16], x), P("data"))
+        got = jax.jit(jax.vmap(summed, (0, None)))(counts, xs)
+        with pytest.warns(UserWarning, match=r"allow_remainder on a batch sharded over 4"):
+            got_apart = jax.jit(jax.vmap(apart, (0, None)))(counts, whole)
+    ys = rows(x)
+    for count, one, other in zip(counts, got, got_apart, strict=True):
+        ran = jnp.asarray(microbatch_of < count)
+        assert_close(one, weighted(SUM, ys[:16], ran[:16]), terms=2)
+        assert_close(other, weighted(SUM, ys, ran), terms=3)
 
 
 def test_dp_sgd_with_poisson_sampling_compiles_once():

@@ -191,12 +191,13 @@ def _wide(g: Any) -> jax.Array:
     return g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
 
-def leaf_norms(grads: PyTree, rows: int) -> jax.Array:
-    """``(rows, leaves)``: the norm of each leaf of each row of stacked gradients."""
+def leaf_norms(grads: PyTree, rows: int, branch: bool) -> jax.Array:
+    """``(rows, leaves)``: the norm of each leaf of each row of stacked gradients; without
+    ``branch`` every row scaled, as ``mapped_row_norms``."""
     leaves = jax.tree.leaves(grads)
     if not leaves:
         return jnp.zeros((rows, 0), jnp.float32)
-    return _norms([[g] for g in leaves], rows, branch=True)
+    return _norms([[g] for g in leaves], rows, branch)
 
 
 _SUBNORMAL = (

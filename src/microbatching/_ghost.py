@@ -702,11 +702,11 @@ def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
 
 
 def _zeros(aval: Any) -> jax.Array:
-    """Zeros of ``aval``'s type, varying over the same manual mesh axes (``shard_map``):
-    the cotangent of a tap that did not vary would be summed over those axes."""
-    zeros = jnp.zeros(aval.shape, aval.dtype)
-    varying = _sharding.varying(aval)
-    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+    """Zeros of ``aval``'s type: varying over the same manual mesh axes (``shard_map``),
+    for the cotangent of a tap that did not vary would be summed over those axes; and on
+    its Explicit mesh, for the cotangent is resharded to the tap's type, which for a
+    scalar made by ``jnp.zeros`` alone is no mesh at all (see ``_sharding.full``)."""
+    return _sharding.full(aval, 0)
 
 
 def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.Array:

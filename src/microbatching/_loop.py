@@ -423,7 +423,7 @@ def _run(
             out = out_tree.unflatten(run(index))
             if runs is None:
                 return fold(index, carry, out)
-            return jax.lax.cond(runs(index), fold, lambda i, c, o: c, index, carry, out)
+            return _sharding.cond(runs(index), fold, lambda i, c, o: c, index, carry, out)
 
     trips = min(bound, loop.trips) if isinstance(bound, int) else loop.trips
     try:
@@ -490,4 +490,4 @@ def _remainder(
     bound = batch.bound
     if isinstance(bound, int):
         return fold(carry) if bound > full else carry
-    return jax.lax.cond(bound > full, fold, lambda c: c, carry)
+    return _sharding.cond(bound > full, fold, lambda c: c, carry)

@@ -296,6 +296,13 @@ class Sums:
         return not self.by_shard
 
     @property
+    def branches(self) -> bool:
+        """Whether the per-example norms may take the plain sums of squares where they
+        are safe (``_clipping``): not on one shard's rows, which run vmapped over the
+        shards, where the branch would run both sides."""
+        return not self.by_shard
+
+    @property
     def norms_only(self) -> bool:
         """Whether the metrics are the norms (``l2_norm``), which need no gradient."""
         return self.metrics is l2_norm
@@ -398,7 +405,7 @@ def statistics_in_chunks(
         if sums.clipping is None:
             return measured, None
         rows = first_batched(sums.example.axes, args, kwargs).shape[0]
-        scale = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
+        scale = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows, sums.branches), grads)
         return measured, scale[0] if scale else jnp.ones((rows,))
 
     return _in_chunks(statistics, sums.example, args, kwargs)
@@ -415,7 +422,7 @@ def explicit(
     leaves, structure = jax.tree.flatten(grads)
     scales = [jnp.ones((rows,), jnp.float32)] * len(leaves)
     if sums.clipping is not None:
-        scales = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows), grads)
+        scales = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows, sums.branches), grads)
     keep = None if given is None else given != 0
     if given is not None and given.dtype != jnp.bool_:
         scales = [s * given.astype(jnp.promote_types(given.dtype, s.dtype)) for s in scales]
@@ -688,7 +695,8 @@ def materialized_norms(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     def norms(*args: Any, **kwargs: Any) -> jax.Array:
         grads = sums.each(*args, **kwargs)[1]
-        return _clipping.leaf_norms(grads, first_batched(sums.example.axes, args, kwargs).shape[0])
+        rows = first_batched(sums.example.axes, args, kwargs).shape[0]
+        return _clipping.leaf_norms(grads, rows, sums.branches)
 
     return _in_chunks(norms, sums.example, args, kwargs)
 

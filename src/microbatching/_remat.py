@@ -58,7 +58,7 @@ def step(
     def bounded(index: Any, widened: list[Any]) -> list[Any]:
         types = jax.eval_shape(compute, index, widened)  # inside shard_map: what varies
         skipped = lambda index, widened: [_zeros(t) for t in types]  # noqa: E731
-        return jax.lax.cond(condition(index), compute, skipped, index, widened)
+        return _sharding.cond(condition(index), compute, skipped, index, widened)
 
     run_bounded = jax.checkpoint(bounded, prevent_cse=False)
     return lambda index: run_bounded(index, widened)

@@ -2,24 +2,35 @@
 
 Under an Auto mesh (or none) JAX's sharding propagation places every intermediate
 itself, and nothing here applies. Under an Explicit mesh the sharding is part of each
-array's type, so the views, microbatches and buffers the transforms build must state it.
+array's type, so the views, microbatches and buffers the transforms build must state it,
+and a branch on a predicate that ``jax.vmap`` may map goes through ``cond``.
 """
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+from jax.core import AbstractValue
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
-    """The sharding of an array, tracer or ShapeDtypeStruct if its mesh has Explicit axes."""
-    sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+    """The sharding of an array, tracer, ShapeDtypeStruct or abstract value if its mesh has
+    Explicit axes."""
+    sharding = type_of(x).sharding
     if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
         return sharding
     return None
+
+
+def type_of(x: Any) -> Any:
+    """The type of an array or tracer; a ShapeDtypeStruct or an abstract value is its own."""
+    if isinstance(x, jax.ShapeDtypeStruct | AbstractValue):
+        return x
+    return jax.typeof(x)
 
 
 def entries(spec: PartitionSpec, ndim: int) -> list[Any]:
@@ -59,9 +70,11 @@ def full(struct: Any, fill: Any, dtype: Any = None) -> jax.Array:
     sharding, and inside ``shard_map`` the manual mesh axes it varies over.
 
     (``jax.lax.full_like`` of such a struct fails inside a ``shard_map`` that leaves some
-    mesh axes automatic.)
+    mesh axes automatic. ``jnp.zeros(())`` alone is typed on no mesh at all: differentiated
+    inside ``vmap`` over an Explicit axis, its cotangent's reshard onto that empty mesh
+    fails in JAX 0.10.2.)
     """
-    aval = struct if isinstance(struct, jax.ShapeDtypeStruct) else jax.typeof(struct)
+    aval = type_of(struct)
     dtype = aval.dtype if dtype is None else dtype
     out = jax.numpy.full(aval.shape, fill, dtype, out_sharding=explicit_sharding(struct))
     axes = varying(aval)
@@ -79,3 +92,83 @@ def varying_of(value: Any) -> tuple[str, ...]:
     """The manual mesh axes that a JAX array (or tracer) varies over; () for anything
     else, which is the same on every device (a NumPy array, a Python number)."""
     return varying(jax.typeof(value)) if isinstance(value, jax.Array) else ()
+
+
+def cond(
+    pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any
+) -> Any:
+    """``jax.lax.cond(pred, true_fun, false_fun, *operands)``, also where ``jax.vmap``
+    maps ``pred`` over values sharded on an Explicit mesh.
+
+    There JAX 0.10.2 turns a cond of a mapped predicate into a ``select`` whose predicate
+    it broadcasts without a sharding, and the select refuses every sharded operand or
+    result ("select `which` must be scalar or have the same sharding as cases"). Here the
+    cond's own predicate is never mapped: it is whether ``pred`` holds for any of the
+    mapped values (``_anyone``). Inside, each mapped value takes ``true_fun``'s result
+    where its own ``pred`` holds and ``false_fun``'s elsewhere, as JAX's select does, and
+    the side that a value does not take sees the ``operands`` through ``stop_gradient``,
+    so that no derivative of that side reaches them (pass as operands what the branches
+    differentiate: what they close over is not guarded). Unmapped, those selects are on
+    a constant True (``_mine``), which XLA folds away.
+    """
+
+    def either(pred: Any, *operands: Any) -> Any:
+        taken = true_fun(*_guard(pred, True, operands))
+        other = false_fun(*_guard(pred, False, operands))
+        return _pick(pred, taken, other)
+
+    def skipped(pred: Any, *operands: Any) -> Any:
+        return false_fun(*operands)
+
+    return jax.lax.cond(_anyone(pred), either, skipped, pred, *operands)
+
+
+@jax.custom_batching.custom_vmap
+def _anyone(pred: Any) -> Any:
+    """Whether ``pred`` holds for any value that ``jax.vmap`` maps it over: never mapped
+    itself (under nested maps, reduced over each); unmapped, ``pred``."""
+    return pred
+
+
+@_anyone.def_vmap
+def _anyone_mapped(axis_size: int, in_batched: Any, pred: Any) -> tuple[Any, bool]:
+    del axis_size, in_batched  # one argument: the rule runs only where it is mapped
+    return _anyone(jax.numpy.any(pred, axis=0)), False  # still mapped under an outer vmap
+
+
+@jax.custom_batching.custom_vmap
+def _mine(pred: Any) -> Any:
+    """Whether ``pred`` holds for this mapped value: ``pred`` where ``jax.vmap`` maps it;
+    unmapped, True (``cond``'s branch runs only where it holds), a constant to XLA."""
+    return jax.numpy.logical_or(pred, True)
+
+
+@_mine.def_vmap
+def _mine_mapped(axis_size: int, in_batched: Any, pred: Any) -> tuple[Any, bool]:
+    del axis_size, in_batched
+    return pred, True
+
+
+# Each computes ``_mine`` where it is used, rematerialised: a derivative then recomputes
+# it from ``pred`` rather than keeping it (a loop's derivative would keep one per
+# iteration, and its selects would stay in the program where they select nothing).
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(1,))
+def _guard(pred: Any, side: bool, values: Any) -> Any:
+    """``values`` for each mapped value that takes ``side`` (its ``pred`` is ``side``),
+    else through ``stop_gradient`` (floating leaves: the others carry no derivative)."""
+    mine = _mine(pred)
+    keep = mine if side else jax.numpy.logical_not(mine)
+
+    def one(x: Any) -> Any:
+        if not jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact):
+            return x
+        return jax.lax.select(keep, x, jax.lax.stop_gradient(x))
+
+    return jax.tree.map(one, values)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _pick(pred: Any, taken: Any, other: Any) -> Any:
+    """``taken`` for each mapped value for which ``pred`` holds, else ``other``."""
+    mine = _mine(pred)
+    return jax.tree.map(lambda a, b: jax.lax.select(mine, a, b), taken, other)
