@@ -1272,6 +1272,36 @@ def test_a_site_that_a_derivative_reaches_keeps_data_that_is_not_finite():
     assert_close(got, want, terms=2)
 
 
+def _saturated(p, x):  # an infinite input saturates tanh: a computed cotangent of 0
+    return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "materialize"])
+def test_a_cotangent_computed_as_zero_meets_data_that_is_not_finite_as_in_jax(method):
+    """Round 13 of the hostile tests: an example whose input is infinite where ``tanh``
+    saturates has a cotangent of 0 at ``x @ w1``, which JAX's backward pass computes
+    and multiplies (``inf * 0``): its gradient is NaN. The ghost norm read the site as
+    one that no derivative reaches, so nan_safe kept the example (its ``w2`` gradient in
+    the sum) and an outer derivative was NaN."""
+    p = {"w1": jnp.asarray([[0.5], [1.0]]), "w2": jnp.asarray([2.0])}
+    x = jnp.asarray([[1.0, 1.0], [jnp.inf, 1.0], [0.5, -1.0], [-2.0, 0.25]])
+    grads = jax.vmap(jax.grad(_saturated), (None, 0))(p, x)
+    assert np.isnan(np.asarray(grads["w1"][1])).any()  # the reference: JAX's own
+    options = {"batch_argnums": 1, "keep_batch_dim": False, "microbatch_size": 2}
+    fn = micro_grad(_saturated, l2_clip_norm=100.0, clip_method=method, **options)
+    assert np.isnan(np.asarray(fn(p, x)[0]["w1"])).all()
+    safe = micro_grad(_saturated, l2_clip_norm=100.0, clip_method=method, nan_safe=True, **options)
+    finite = jnp.asarray([0, 2, 3])
+    assert_close(safe(p, x)[0], jax.tree.map(lambda g: jnp.sum(g[finite], 0), grads), terms=3)
+
+    def summed(q, x):
+        return jax.grad(lambda q: jnp.sum(jax.vmap(_saturated, (None, 0))(q, x)))(q)
+
+    outer = jax.grad(lambda q: jnp.sum(safe(q, x)[0]["w2"] ** 2))(p)
+    want = jax.grad(lambda q: jnp.sum(summed(q, x[finite])["w2"] ** 2))(p)
+    assert_close(outer, want, terms=3)
+
+
 def _divided(p, x, m):  # a site singular at data 0: p / x
     return m * jnp.sum(jnp.tanh(p["w"] / x))
 

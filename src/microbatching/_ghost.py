@@ -658,25 +658,46 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
         (cotangents,) = pull(jnp.ones_like(value))
         return outs, inputs, cotangents
 
-    outs, inputs, cotangents = jax.vmap(one)(list(example))
+    closed, shapes = jax.make_jaxpr(jax.vmap(one), return_shape=True)(list(example))
+    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(list(example)))
+    outs, inputs, cotangents = jax.tree.unflatten(jax.tree.structure(shapes), flat)
+    computed = jax.tree.unflatten(jax.tree.structure(shapes), _example_dependent(closed.jaxpr))[
+        2
+    ]  # which cotangents JAX computes from the example: not a symbolic zero
     for k in reversed(range(len(program.sites))):
         shared = program.sites[k].same_as
         if shared is not None:
             cotangents[k] = cotangents[shared]
+            computed[k] = computed[shared]
     rows = example[0].shape[0]
     for k, site in enumerate(program.sites):
         e = program.eqns[site.eqn]
         if e.primitive.name in ADDITIVE:  # their products never read the data
             avals = [program.avals[e.ins[p]] for p in site.data]  # type: ignore[index]
             inputs[k] = [jnp.zeros((rows, *a.shape), a.dtype) for a in avals]
-        elif e.primitive.name in BILINEAR:
+        elif e.primitive.name in BILINEAR and not any(computed[k]):
             inputs[k] = _unreached_zeroed(inputs[k], cotangents[k])
     return Recorded(outs, inputs, cotangents)
 
 
+def _example_dependent(jaxpr: Jaxpr) -> list[bool]:
+    """Which of ``jaxpr``'s outputs depend on its inputs (the examples; what it closes
+    over is in its constants). A cotangent that does not is one JAX's backward pass never
+    computed from the example: a symbolic zero, instantiated (or a constant)."""
+    dependent = set(jaxpr.invars)
+    for e in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dependent for v in e.invars):
+            dependent.update(e.outvars)
+    return [not isinstance(v, Literal) and v in dependent for v in jaxpr.outvars]
+
+
 def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
     """A ``BILINEAR`` site's floating data inputs, with each entry that is not finite
-    read as 0 for an example whose cotangents there are all zero.
+    read as 0 for an example whose cotangents there are all zero; for a site whose
+    cotangents JAX's backward pass does not compute from the example (``record``).
+    Where it does, a cotangent that comes out 0 (``tanh`` saturated by an infinite
+    input) meets the data in JAX's product, and ``inf * 0`` makes that example's
+    gradient NaN, as it is here (round 13 of the hostile tests).
 
     Its product is then 0, as it is where JAX's backward pass gives the site a symbolic
     zero (an output that reaches the loss only through an unused output of a ``sort``,
