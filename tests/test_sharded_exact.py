@@ -275,11 +275,18 @@ def test_fsdp_gradients_with_a_device_whose_weights_are_all_zero(tmp_path: pathl
             {"w": w.tolist(), "x": x.tolist(), "weights": weights.tolist(), "options": options}
         )
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = (
-        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 "
-        "--xla_cpu_collective_call_terminate_timeout_seconds=3"
+    # The run's own flags (make test's quicker compilation) and the short collective timeouts.
+    env["XLA_FLAGS"] = " ".join(
+        filter(
+            None,
+            [
+                env.get("XLA_FLAGS"),
+                "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
+                "--xla_cpu_collective_call_terminate_timeout_seconds=3",
+            ],
+        )
     )
     src = str(pathlib.Path(microbatching.__file__).parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
