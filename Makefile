@@ -36,11 +36,18 @@ lint: $(STAMP)
 	$(BIN)/pyright
 
 # Lint, docs, the suite (the `compiled` tests apart), the x64 tests; README gives the times.
-test: lint docs
+# Lint and the docs build run beside the main pytest run, their output held until it ends:
+# pyright and mkdocs keep one core busy for most of a minute, which alone leaves the
+# other idle. A failure of either stops make test after the main run.
+test: $(STAMP)
+	@echo "== lint and docs beside pytest (make lint docs); their output follows the main run's"
 	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers, then the tests of compiled facts ([done/total] ends each line)"
-	@cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	@cache=$$(mktemp -d) && checks=$$(mktemp) && trap 'rm -rf "$$cache" "$$checks"' EXIT && \
+	  { $(MAKE) --no-print-directory lint docs > "$$checks" 2>&1 & pid=$$!; } && \
+	  { ( set -x && $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m "not compiled" ); \
+	    main=$$?; wait $$pid; lint=$$?; cat "$$checks"; } && \
+	  [ $$lint -eq 0 ] && [ $$main -eq 0 ] && \
 	  set -x && \
-	  $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m "not compiled" && \
 	  $(QUICK_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m compiled tests
 	$(MAKE) --no-print-directory test-x64
 

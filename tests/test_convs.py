@@ -6,6 +6,7 @@ whose convolutions XLA reorders itself.
 """
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,13 @@ def compiled(fun, *args) -> str:
     return str(jax.jit(fun).lower(*args).compile().as_text())
 
 
+def compiled_and_run(fun, *args) -> tuple[str, Any]:
+    """The HLO of ``jax.jit(fun)`` compiled for ``args``, and its result on them: one
+    compilation for both."""
+    executable = jax.jit(fun).lower(*args).compile()
+    return str(executable.as_text()), executable(*args)
+
+
 def cnn_loss(p, x, y):
     """Two strided 3x3 convolutions and a dense layer on NHWC images; mean cross-entropy."""
     dims = ("NHWC", "HWIO", "NHWC")
@@ -67,20 +75,27 @@ def cnn():
     return p, x, y
 
 
+@pytest.fixture(scope="module")
+def cnn_value_and_grad(cnn):
+    """The reference: ``jax.value_and_grad(cnn_loss)`` of the whole batch."""
+    return jax.jit(jax.value_and_grad(cnn_loss))(*cnn)
+
+
 @pytest.mark.compiled
-def test_the_gradient_in_the_loop_runs_every_convolution_in_eigen_order(cnn):
+def test_the_gradient_in_the_loop_runs_every_convolution_in_eigen_order(cnn, cnn_value_and_grad):
     """The weight gradient of a convolution reads its input with batch and feature
     swapped; in the loop that ran as a loop nest, 10x slower than outside it."""
     p, x, y = cnn
     looped = microbatch(jax.grad(cnn_loss), (1, 2), 8, MEAN)
-    assert other_order_convs(compiled(looped, p, x, y)) == []
-    assert_close(jax.jit(looped)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
+    hlo, got = compiled_and_run(looped, p, x, y)
+    assert other_order_convs(hlo) == []
+    assert_close(got, cnn_value_and_grad[1], terms=4)
 
 
 @pytest.mark.compiled
 def test_micro_grad_and_clipping_run_every_convolution_in_eigen_order(cnn):
     p, x, y = cnn
-    per_example = jax.vmap(jax.grad(cnn_loss), (None, 0, 0))(p, x[:, None], y[:, None])
+    per_example = jax.jit(jax.vmap(jax.grad(cnn_loss), (None, 0, 0)))(p, x[:, None], y[:, None])
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(32, -1) ** 2, 1) for g in jax.tree.leaves(per_example)))
     scale = jnp.minimum(1.0, 0.5 / norms)
     clipped_sum = jax.tree.map(
@@ -88,21 +103,23 @@ def test_micro_grad_and_clipping_run_every_convolution_in_eigen_order(cnn):
     )
     for clip in (None, 0.5):
         grad = micro_grad(cnn_loss, batch_argnums=(1, 2), microbatch_size=8, l2_clip_norm=clip)
-        assert other_order_convs(compiled(lambda *a: grad(*a)[0], p, x, y)) == []  # noqa: B023
+        hlo, got = compiled_and_run(lambda *a: grad(*a)[0], p, x, y)  # noqa: B023
+        assert other_order_convs(hlo) == []
         want = clipped_sum if clip else jax.tree.map(lambda g: g.sum(0), per_example)
-        assert_close(jax.jit(grad)(p, x, y)[0], want, terms=32)
+        assert_close(got, want, terms=32)
 
 
 @pytest.mark.compiled
-def test_gradients_through_the_loop_run_every_convolution_in_eigen_order(cnn):
+def test_gradients_through_the_loop_run_every_convolution_in_eigen_order(cnn, cnn_value_and_grad):
     """``jax.grad`` of the loop is JAX's transpose of it; each convolution's custom_jvp
     (``_convs._eigen``) makes that transpose come out in Eigen's order too."""
     p, x, y = cnn
     through = jax.grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
-    assert other_order_convs(compiled(through, p, x, y)) == []
-    assert_close(jax.jit(through)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
+    hlo, got = compiled_and_run(through, p, x, y)
+    assert other_order_convs(hlo) == []
+    assert_close(got, cnn_value_and_grad[1], terms=4)
     both = jax.value_and_grad(microbatch(cnn_loss, (1, 2), 8, MEAN))
-    assert_close(jax.jit(both)(p, x, y), jax.value_and_grad(cnn_loss)(p, x, y), terms=4)
+    assert_close(jax.jit(both)(p, x, y), cnn_value_and_grad, terms=4)
 
 
 def test_hessian_vector_products_through_the_rule(cnn):
@@ -191,9 +208,12 @@ def test_any_convolution_in_the_loop_gives_the_whole_batch_s_gradient(conv):
         # The weight gradient of a grouped convolution is not held to it: XLA expands its
         # batch groups after the rewrite, into a convolution that only its entry
         # computation reorders (see _convs).
-        whole = other_order_convs(compiled(jax.grad(loss), w, x))
-        assert sorted(other_order_convs(compiled(looped, w, x))) == sorted(whole)
-    assert_close(jax.jit(looped)(w, x), jax.grad(loss)(w, x), terms=2)
+        whole_hlo, want = compiled_and_run(jax.grad(loss), w, x)
+        hlo, got = compiled_and_run(looped, w, x)
+        assert sorted(other_order_convs(hlo)) == sorted(other_order_convs(whole_hlo))
+    else:
+        got, want = jax.jit(looped)(w, x), jax.jit(jax.grad(loss))(w, x)
+    assert_close(got, want, terms=2)
 
 
 @pytest.mark.parametrize("layout", [_LAYOUTS[2][0], _LAYOUTS[1][2]])
@@ -232,13 +252,14 @@ def test_reordered_convolutions_compose_with_grad_jvp_and_vmap(layout):
 
 
 @pytest.mark.compiled
-def test_convolutions_inside_jit_and_checkpoint_of_fun_are_reordered(cnn):
+def test_convolutions_inside_jit_and_checkpoint_of_fun_are_reordered(cnn, cnn_value_and_grad):
     """The rewrite reaches programs that ``fun`` calls (``jit``, ``checkpoint``)."""
     p, x, y = cnn
     inner = jax.jit(jax.checkpoint(jax.grad(cnn_loss)))
     looped = microbatch(lambda p, x, y: inner(p, x, y), (1, 2), 8, MEAN)
-    assert other_order_convs(compiled(looped, p, x, y)) == []
-    assert_close(jax.jit(looped)(p, x, y), jax.grad(cnn_loss)(p, x, y), terms=4)
+    hlo, got = compiled_and_run(looped, p, x, y)
+    assert other_order_convs(hlo) == []
+    assert_close(got, cnn_value_and_grad[1], terms=4)
 
 
 def test_only_convolutions_eigen_runs_are_reordered():

@@ -62,9 +62,14 @@ def loss(params: Any, stats: Any, x: jax.Array, y: jax.Array) -> tuple[jax.Array
     return jnp.mean((pred - y) ** 2), updated["batch_stats"]
 
 
+# The references run one jitted program per shape: op by op, Flax's layers compile every
+# primitive and run slowly in Python.
+value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
 def by_hand(parts: list[tuple[jax.Array, jax.Array]]) -> Any:
     """``((loss, stats), grads)`` of each part, averaged weighted by the part's rows."""
-    outs = [jax.value_and_grad(loss, has_aux=True)(PARAMS, STATS, x, y) for x, y in parts]
+    outs = [value_and_grad(PARAMS, STATS, x, y) for x, y in parts]
     rows = [x.shape[0] for x, _ in parts]
     return jax.tree.map(
         lambda *leaves: sum(r * leaf for r, leaf in zip(rows, leaves, strict=True)) / sum(rows),
@@ -147,7 +152,8 @@ def test_micro_grad_normalises_each_example_alone(l2_clip_norm):
     }
     old = STATS["BatchNorm_0"]
     assert_close(aux.aux["BatchNorm_0"]["var"], jnp.broadcast_to(MOMENTUM * old["var"], (ROWS, 8)))
-    per_example = [loss(PARAMS, STATS, X[b : b + 1], Y[b : b + 1])[0] for b in range(ROWS)]
+    one = jax.jit(loss)
+    per_example = [one(PARAMS, STATS, X[b : b + 1], Y[b : b + 1])[0] for b in range(ROWS)]
     assert_close(aux.values, jnp.stack(per_example))
 
 
@@ -176,9 +182,8 @@ def test_micro_grad_of_an_image_batch_norm_is_the_sum_of_batch_of_one_gradients(
     grad_fn = micro_grad(image_loss, True, batch_argnums=(2, 3), microbatch_size=4)
     with pytest.warns(BatchStatisticsWarning, match="statistic over the batch axis"):
         grads, _ = jax.jit(grad_fn)(*args, x, y)
-    each = [
-        jax.grad(image_loss, has_aux=True)(*args, x[b : b + 1], y[b : b + 1])[0] for b in range(8)
-    ]
+    one = jax.jit(jax.grad(image_loss, has_aux=True))
+    each = [one(*args, x[b : b + 1], y[b : b + 1])[0] for b in range(8)]
     assert_close(grads, jax.tree.map(lambda *g: sum(g), *each), terms=8)
     assert float(jnp.max(jnp.abs(grads["Conv_0"]["kernel"]))) > 1e-3
 
@@ -237,7 +242,8 @@ def test_a_loss_that_applies_a_batch_statistic_to_its_rows_warns(name):
     with pytest.warns(BatchStatisticsWarning, match=r"this loss computes a statistic over"):
         got, _ = grad_fn(*MIX_ARGS)
     p, x, y = MIX_ARGS
-    want = sum(jax.grad(fun)(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
+    one = jax.jit(jax.grad(fun))
+    want = sum(one(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
     assert_close(got, want, terms=8)
 
 
@@ -266,7 +272,8 @@ def test_a_mean_over_a_named_vmap_axis_warns():
         got, _ = jax.jit(grad_fn)(*MIX_ARGS)
     assert [w.filename for w in record] == [__file__]  # the caller's line, not the library's
     p, x, y = MIX_ARGS
-    assert_close(got, sum(jax.grad(loss)(p, x[b : b + 1], y[b : b + 1]) for b in range(8)), terms=8)
+    one = jax.jit(jax.grad(loss))
+    assert_close(got, sum(one(p, x[b : b + 1], y[b : b + 1]) for b in range(8)), terms=8)
 
 
 def test_batch_statistics_that_reach_only_aux_do_not_warn():
@@ -280,7 +287,8 @@ def test_batch_statistics_that_reach_only_aux_do_not_warn():
 
     got, aux = micro_grad(logged, has_aux=True, batch_argnums=(1, 2), microbatch_size=4)(*MIX_ARGS)
     p, x, y = MIX_ARGS
-    want = sum(jax.grad(lambda *a: logged(*a)[0])(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
+    one = jax.jit(jax.grad(lambda *a: logged(*a)[0]))
+    want = sum(one(p, x[b : b + 1], y[b : b + 1]) for b in range(8))
     assert_close(got, want, terms=8)
     assert_close(aux.aux["std"], jnp.zeros(8))  # the spread of one row's loss
 
@@ -292,7 +300,8 @@ def test_without_keep_batch_dim_the_loss_is_not_probed():
     grad_fn = micro_grad(fun, batch_argnums=(1, 2), microbatch_size=4, keep_batch_dim=False)
     got, _ = grad_fn(*MIX_ARGS)
     p, x, y = MIX_ARGS
-    assert_close(got, sum(jax.grad(fun)(p, x[b], y[b]) for b in range(8)), terms=8)
+    one = jax.jit(jax.grad(fun))
+    assert_close(got, sum(one(p, x[b], y[b]) for b in range(8)), terms=8)
 
 
 @pytest.mark.parametrize("clip_method", ["auto", "materialize"])
@@ -319,7 +328,7 @@ def test_per_example_norms_clip_like_clipped_vmap_grad(norm, clip_method):
         clip_method=clip_method,
     )
     summed, _ = jax.jit(grad_fn)(params, X, Y)
-    each = jax.vmap(jax.grad(norm_loss), (None, 0, 0))(params, X[:, None], Y[:, None])
+    each = jax.jit(jax.vmap(jax.grad(norm_loss), (None, 0, 0)))(params, X[:, None], Y[:, None])
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(ROWS, -1) ** 2, 1) for g in jax.tree.leaves(each)))
     assert float(jnp.min(norms)) < 1.0 < float(jnp.max(norms))  # some are clipped, some not
     scale = jnp.minimum(1.0, 1.0 / norms)
@@ -355,9 +364,8 @@ def test_nnx_batch_norm_merged_with_a_copy_matches_the_loop(jit):
         accumulator=MEAN,
     )
     got = (jax.jit(step) if jit else step)(params, stats, X, Y)
-    outs = [
-        jax.value_and_grad(nnx_loss, has_aux=True)(params, stats, x, y) for x, y in strided(X, Y, 4)
-    ]
+    one = jax.jit(jax.value_and_grad(nnx_loss, has_aux=True))
+    outs = [one(params, stats, x, y) for x, y in strided(X, Y, 4)]
     assert_close(got, jax.tree.map(lambda *leaves: sum(leaves) / 4, *outs), terms=4)
 
 
@@ -408,7 +416,7 @@ def dropout_loss(api: str) -> tuple[Any, Any]:
 def test_flax_dropout_with_per_example_keys_is_the_same_for_every_microbatch_size(api):
     loss, params = dropout_loss(api)
     keys = jax.random.split(jax.random.key(2), ROWS)
-    whole = jax.value_and_grad(loss)(params, X, Y, keys)
+    whole = jax.jit(jax.value_and_grad(loss))(params, X, Y, keys)
     for size in (1, 4):
         mean_loss = microbatch(loss, argnums=(1, 2, 3), microbatch_size=size, accumulator=MEAN)
         assert_close(jax.jit(jax.value_and_grad(mean_loss))(params, X, Y, keys), whole, terms=ROWS)

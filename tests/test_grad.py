@@ -32,11 +32,16 @@ def _problem(seed, rows):
 _clip = clipper(0.5)
 
 
+@jax.jit
 def _reference(params, x, y):
     """Per-example values and gradients with jax.vmap(jax.value_and_grad)."""
     return jax.vmap(jax.value_and_grad(lambda p, x, y: _loss(p, x[None], y[None])), (None, 0, 0))(
         params, x, y
     )
+
+
+_clipped = jax.jit(jax.vmap(_clip))
+_norms = jax.jit(jax.vmap(jnp.linalg.norm))
 
 
 @settings(max_examples=15, deadline=None)
@@ -55,7 +60,7 @@ def test_clipped_sum_matches_per_example_grad(seed, rows, data):
     )
     grads, aux = jax.jit(grad_fn)(params, x, y)
     values, per_example = _reference(params, x, y)
-    clipped = jax.vmap(_clip)(per_example)
+    clipped = _clipped(per_example)
     reduce = {
         AccumulationType.SUM: lambda g: jnp.sum(g, 0),
         AccumulationType.CONCAT: lambda g: g,
@@ -64,7 +69,7 @@ def test_clipped_sum_matches_per_example_grad(seed, rows, data):
     }.get(kind, lambda g: jnp.mean(g, 0))
     assert_close(grads, jax.tree.map(reduce, clipped), terms=rows)
     assert_close(aux.values, values)
-    assert_close(aux.metrics, jax.vmap(jnp.linalg.norm)(per_example["v"]))
+    assert_close(aux.metrics, _norms(per_example["v"]))
     assert aux.aux is None
 
 

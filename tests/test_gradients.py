@@ -5,6 +5,8 @@ microbatch of memory), the ``micro_grad`` fast path and ``l2_clip_norm``, accumu
 precision, and one all-reduce per step on Auto meshes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,21 @@ def scalar(out):
     return jnp.sum(jnp.sin(out) * weights)
 
 
+ARGNUMS = [0, 1, (0, 1)]
+
+
+def _grads(fun):
+    """``jax.grad`` of ``scalar(fun(w, x))`` for each of ``ARGNUMS``, in one jitted program."""
+    return jax.jit(
+        lambda w, x: [jax.grad(lambda w, x: scalar(fun(w, x)), a)(w, x) for a in ARGNUMS]
+    )
+
+
+@functools.cache
+def _whole_grads(kind):
+    return _grads(whole(kind))(W, X)
+
+
 @given(data=st.data())
 @settings(max_examples=15, deadline=None)
 def test_grad_through_microbatch_equals_the_whole_batch(data):
@@ -69,9 +86,7 @@ def test_grad_through_microbatch_equals_the_whole_batch(data):
     size = data.draw(microbatch_sizes(X.shape[0]))
     fun = microbatch(reduced(kind), 1, size, kind)
     n = X.shape[0] // size
-    for argnums in [0, 1, (0, 1)]:
-        got = jax.grad(lambda w, x: scalar(fun(w, x)), argnums)(W, X)
-        want = jax.grad(lambda w, x: scalar(whole(kind)(w, x)), argnums)(W, X)
+    for got, want in zip(_grads(fun)(W, X), _whole_grads(kind), strict=True):
         assert_close(got, want, terms=n)
 
 
@@ -183,6 +198,31 @@ def _per_example(loss, params, *batch):
     return jax.vmap(jax.grad(loss), (None, *[0] * len(batch)))(params, *[b[:, None] for b in batch])
 
 
+def _norm(grads):
+    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(grads)))
+
+
+@functools.cache
+def _references(model):
+    """``MODELS[model]``'s per-example gradients, values and gradient norms, one jitted
+    program per model for all the tests that compare against them."""
+    loss, params, x, y = MODELS[model]
+
+    @jax.jit
+    def references(params, x, y):
+        grads = _per_example(loss, params, x, y)
+        values = jax.vmap(loss, (None, 0, 0))(params, x[:, None], y[:, None])
+        return grads, values, jax.vmap(_norm)(grads)
+
+    return references(params, x, y)
+
+
+def _call(fn, size):
+    """``fn`` itself, or jitted where ``size`` is None: without microbatching an eager call
+    runs ``fun`` op by op, compiling each of its primitives, on the same path as under jit."""
+    return jax.jit(fn) if size is None else fn
+
+
 def _models():
     """Losses with dense, convolution, embedding and layer-norm layers, and their data."""
     rng = np.random.default_rng(0)
@@ -224,13 +264,12 @@ MODELS = _models()
 @pytest.mark.parametrize("kind", REDUCING)
 def test_fast_path_equals_the_sum_of_per_example_gradients(model, size, kind):
     loss, params, x, y = MODELS[model]
-    grads, aux = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=size, accumulator=kind)(
-        params, x, y
-    )
-    per_example = _per_example(loss, params, x, y)
+    fn = micro_grad(loss, batch_argnums=(1, 2), microbatch_size=size, accumulator=kind)
+    grads, aux = _call(fn, size)(params, x, y)
+    per_example, values, _ = _references(model)
     reduce = jnp.sum if kind is SUM else jnp.mean
     assert_close(grads, jax.tree.map(lambda g: reduce(g, 0), per_example), terms=16)
-    assert_close(aux.values, jax.vmap(loss, (None, 0, 0))(params, x[:, None], y[:, None]))
+    assert_close(aux.values, values)
     assert aux.metrics is None
 
 
@@ -239,18 +278,18 @@ def test_fast_path_equals_the_sum_of_per_example_gradients(model, size, kind):
 @pytest.mark.parametrize("kind", [SUM, MEAN])
 def test_l2_clip_norm_equals_clipping_in_transform_fn(model, size, kind):
     loss, params, x, y = MODELS[model]
-    norm = lambda g: jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g)))  # noqa: E731
-    bound = float(np.median(jax.vmap(norm)(_per_example(loss, params, x, y))))
+    bound = float(np.median(_references(model)[2]))
     common = {"batch_argnums": (1, 2), "microbatch_size": size, "accumulator": kind}
-    fast, fast_aux = micro_grad(loss, l2_clip_norm=bound, metrics_fn=norm, **common)(params, x, y)
-    slow, slow_aux = micro_grad(loss, transform_fn=clipper(bound), metrics_fn=norm, **common)(
-        params, x, y
-    )
+    fast_fn = micro_grad(loss, l2_clip_norm=bound, metrics_fn=_norm, **common)
+    fast, fast_aux = _call(fast_fn, size)(params, x, y)
+    slow_fn = micro_grad(loss, transform_fn=clipper(bound), metrics_fn=_norm, **common)
+    slow, slow_aux = _call(slow_fn, size)(params, x, y)
     assert_close(fast, slow, terms=16)
     assert_close(fast_aux, slow_aux)
-    doubled, _ = micro_grad(
+    doubled_fn = micro_grad(
         loss, l2_clip_norm=bound, transform_fn=lambda g: jax.tree.map(lambda v: 2 * v, g), **common
-    )(params, x, y)
+    )
+    doubled, _ = _call(doubled_fn, size)(params, x, y)
     assert_close(doubled, jax.tree.map(lambda v: 2 * v, slow), terms=16)
 
 
