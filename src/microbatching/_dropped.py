@@ -81,11 +81,11 @@ def drops_in_derivatives(
                 pushed = jax.jvp(converted, (*cleaned, *primals[count:used]), tangents[:used])[1]
                 return [t for t in jax.tree.leaves(pushed) if _moves(t)]
 
-            leaves, structure = jax.tree.flatten(out)
-            still = lambda: [jnp.zeros_like(o) for o in leaves if _moves(o)]  # noqa: E731
+            outs, structure = jax.tree.flatten(out)
+            still = lambda: [jnp.zeros_like(o) for o in outs if _moves(o)]  # noqa: E731
             floats = iter(_sharding.cond(_any_kept(keep), moved, still))
             return out, structure.unflatten(
-                [next(floats) if _moves(o) else _no_tangent(o) for o in leaves]
+                [next(floats) if _moves(o) else _no_tangent(o) for o in outs]
             )
 
         return run(*dynamic, *consts, *found_with)

@@ -58,12 +58,15 @@ class Method:
         the whole gradient, and NaN for an example whose loss is not finite.
       forms_gradients: Whether it forms each example's gradient, which a ``metrics_fn``
         other than ``l2_norm`` needs.
+      ghost_norms: Whether its norms are the ghost norms read off the traced program;
+        else they are those of the per-example gradients (``kept`` reads the same ones).
     """
 
     name: str
     step: Step
     scales_loss: bool
     forms_gradients: bool
+    ghost_norms: bool
 
     def check(self, request: GradRequest) -> None:
         """Wrap-time: raises a ValueError naming the fix where this method, asked for by
@@ -146,18 +149,22 @@ def _materialize(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) ->
     return _per_example.explicit(sums, weights, args, kwargs)
 
 
-PLAIN = Method("plain", _plain, scales_loss=True, forms_gradients=False)
+PLAIN = Method("plain", _plain, scales_loss=True, forms_gradients=False, ghost_norms=False)
 """No clipping and no metrics: one gradient of the (weighted) summed loss."""
-GHOST = Method("ghost", _ghost_step, scales_loss=False, forms_gradients=False)
+GHOST = Method("ghost", _ghost_step, scales_loss=False, forms_gradients=False, ghost_norms=True)
 """Norms read off the traced program, the clipped sum by book-keeping (``_ghost``)."""
-TWO_PASS = Method("two_pass", _two_pass, scales_loss=True, forms_gradients=False)
+TWO_PASS = Method("two_pass", _two_pass, scales_loss=True, forms_gradients=False, ghost_norms=True)
 """Ghost norms, then the gradient of the loss weighted by the clip factors."""
-CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True)
+CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True, ghost_norms=False)
 """Per-example gradients a chunk of rows at a time for the norms (and metrics), then
 the gradient of the loss weighted by the clip factors."""
-MATERIALIZE = Method("materialize", _materialize, scales_loss=False, forms_gradients=True)
+MATERIALIZE = Method(
+    "materialize", _materialize, scales_loss=False, forms_gradients=True, ghost_norms=False
+)
 """Per-example gradients, scaled and summed in the accumulation dtype."""
-STATISTICS = Method("statistics", _statistics_step, scales_loss=False, forms_gradients=False)
+STATISTICS = Method(
+    "statistics", _statistics_step, scales_loss=False, forms_gradients=False, ghost_norms=True
+)
 """A ``transform_fn`` read off its traced program: each output leaf's sum from the
 sites of the ghost engine, by the form ``_statistics`` gives it, without the
 per-example gradients of the model."""
@@ -621,7 +628,7 @@ def kept(request: GradRequest, settings: Settings) -> Callable[..., jax.Array]:
     sums, axes, mesh_axes = request.sums(settings), request.example.axes, settings.mesh_axes
 
     def finite(method: Method, *args: Any, **kwargs: Any) -> jax.Array:
-        if method in (GHOST, STATISTICS, TWO_PASS):
+        if method.ghost_norms:
             norms = _per_example.ghost_norms(sums, args, kwargs)
             if isinstance(norms, str):  # the plan read the same program before the loop
                 raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {norms}.")
