@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from . import _clipping, _programs, _sharding
 
@@ -659,7 +659,7 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
         return outs, inputs, cotangents
 
     closed, shapes = jax.make_jaxpr(jax.vmap(one), return_shape=True)(list(example))
-    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(list(example)))
+    flat = jaxpr_as_fun(closed)(*jax.tree.leaves(list(example)))
     outs, inputs, cotangents = jax.tree.unflatten(jax.tree.structure(shapes), flat)
     computed = jax.tree.unflatten(jax.tree.structure(shapes), _example_dependent(closed.jaxpr))[
         2
