@@ -16,8 +16,14 @@ QUICK_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0"
 # the HLO) are also compiled with XLA:CPU's legacy emitters, which take about half the
 # compile time. Results agree up to float rounding, but some compiled facts move (bf16
 # converts, loops of convolutions, temp bytes and so plan's choice), so the `compiled`
-# tests run apart at the default emitters (docs/internals.md, "The suite's speed").
-FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# tests run apart at the default emitters (docs/internals.md, "The suite's speed"). The
+# legacy emitters split each program's LLVM module in 32 parts, compiled on parallel
+# threads; on the 2 cores that the runs side by side keep busy, that buys nothing and
+# costs CPU (13 to 15% of a test's on the models of tests/test_statistics.py; nothing on
+# small programs), so they take one part. The split decides only which module a kernel is
+# compiled in: the HLO, the buffers and each kernel's code are the same. (At the default
+# emitters of the `compiled` tests it made no difference.)
+FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
 
