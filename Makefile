@@ -16,8 +16,14 @@ QUICK_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0"
 # the HLO) are also compiled with XLA:CPU's legacy emitters, which take about half the
 # compile time. Results agree up to float rounding, but some compiled facts move (bf16
 # converts, loops of convolutions, temp bytes and so plan's choice), so the `compiled`
-# tests run apart at the default emitters (docs/internals.md, "The suite's speed").
-FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# tests run apart at the default emitters (docs/internals.md, "The suite's speed"). The
+# legacy emitters split each program's LLVM module in 32 parts, compiled on parallel
+# threads; on the 2 cores that the runs side by side keep busy, that buys nothing and
+# costs CPU (13 to 15% of a test's on the models of tests/test_statistics.py; nothing on
+# small programs), so they take one part. The split decides only which module a kernel is
+# compiled in: the HLO, the buffers and each kernel's code are the same. (At the default
+# emitters of the `compiled` tests it made no difference.)
+FAST_CODEGEN := XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
 
@@ -35,21 +41,31 @@ lint: $(STAMP)
 	@echo "== pyright: types of src, tests, benchmarks and examples (about 20 s)"
 	$(BIN)/pyright
 
-# Lint, docs, the suite (the `compiled` tests apart), the x64 tests; README gives the times.
-# Lint and the docs build run beside the main pytest run, their output held until it ends:
-# pyright and mkdocs keep one core busy for most of a minute, which alone leaves the
-# other idle. A failure of either stops make test after the main run.
+# Lint, docs, the suite (the `compiled` tests apart), the `compiled` tests, the x64 tests;
+# README gives the times. The four run side by side, so that both cores stay busy to the
+# end (each run alone leaves one core idle while its last long item finishes, and pays its
+# own start-up): lint and the docs build (pyright and mkdocs keep one core busy for most of
+# a minute), the `compiled` tests and the x64 tests (one process each, held beside the
+# main run's workers), their output held until the main run ends. Each run compiles into
+# its own cache folder: the runs' XLA flags differ, so they share no program.
 test: $(STAMP)
-	@echo "== lint and docs beside pytest (make lint docs); their output follows the main run's"
-	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers, then the tests of compiled facts ([done/total] ends each line)"
-	@cache=$$(mktemp -d) && checks=$$(mktemp) && trap 'rm -rf "$$cache" "$$checks"' EXIT && \
-	  { $(MAKE) --no-print-directory lint docs > "$$checks" 2>&1 & pid=$$!; } && \
-	  { ( set -x && $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m "not compiled" ); \
-	    main=$$?; wait $$pid; lint=$$?; cat "$$checks"; } && \
-	  [ $$lint -eq 0 ] && [ $$main -eq 0 ] && \
-	  set -x && \
-	  $(QUICK_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache $(PYTEST) -m compiled tests
-	$(MAKE) --no-print-directory test-x64
+	@echo "== lint and docs, the tests of compiled facts and the x64 tests beside the main pytest run; their output follows the main run's"
+	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers ([done/total] ends each line)"
+	@cache=$$(mktemp -d) && checks=$$(mktemp) && compiled=$$(mktemp) && x64=$$(mktemp) && \
+	  trap 'rm -rf "$$cache" "$$checks" "$$compiled" "$$x64"' EXIT && \
+	  mkdir "$$cache/main" "$$cache/compiled" "$$cache/x64" && \
+	  { $(MAKE) --no-print-directory lint docs > "$$checks" 2>&1 & checks_pid=$$!; } && \
+	  { ( set -x && $(QUICK_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/compiled \
+	      $(BIN)/pytest --durations=15 --durations-min=2 -m compiled tests ) > "$$compiled" 2>&1 & compiled_pid=$$!; } && \
+	  { ( set -x && JAX_ENABLE_X64=1 $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/x64 \
+	      $(BIN)/pytest -v --durations=15 --durations-min=2 -m "x64 and not compiled" tests ) > "$$x64" 2>&1 & x64_pid=$$!; } && \
+	  { ( set -x && $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/main $(PYTEST) -m "not compiled" ); main=$$?; \
+	    wait $$checks_pid; lint=$$?; wait $$compiled_pid; comp=$$?; wait $$x64_pid; wide=$$?; \
+	    echo "== make lint docs"; cat "$$checks"; \
+	    echo "== pytest: the tests of compiled facts (marker compiled), at XLA's default emitters"; cat "$$compiled"; \
+	    echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1, a line per test"; cat "$$x64"; \
+	    echo "== exit status: main run $$main, lint and docs $$lint, compiled facts $$comp, x64 $$wide"; } && \
+	  [ $$main -eq 0 ] && [ $$lint -eq 0 ] && [ $$comp -eq 0 ] && [ $$wide -eq 0 ]
 
 # The dtype-sensitive tests (marker x64) again with 64-bit JAX, compiled as the main run
 # is. None is also marked `compiled` (tests/conftest.py refuses one that is).
