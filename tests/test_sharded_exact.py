@@ -260,7 +260,7 @@ def test_fsdp_gradients_with_a_device_whose_weights_are_all_zero(tmp_path: pathl
     """A padded batch (weights 0 on the padding) whose padding fills one device's rows:
     the weighted mean over the others, sharded like the parameters. (A device that
     skipped the microbatch left the others waiting on its collectives until XLA aborted
-    the process: hence the child process, with short collective timeouts.)"""
+    the process: hence the child process, with collective timeouts below its hang guard.)"""
     rng = np.random.default_rng(3)
     w = rng.normal(size=(8, 2)).astype(np.float32)
     x = rng.normal(size=(16, 8)).astype(np.float32)
@@ -277,14 +277,15 @@ def test_fsdp_gradients_with_a_device_whose_weights_are_all_zero(tmp_path: pathl
     )
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    # The run's own flags (make test's quicker compilation) and the short collective timeouts.
+    # The run's own flags (make test's quicker compilation), and collective timeouts that
+    # turn a device left waiting into a failure, long enough for a loaded machine.
     env["XLA_FLAGS"] = " ".join(
         filter(
             None,
             [
                 env.get("XLA_FLAGS"),
-                "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
-                "--xla_cpu_collective_call_terminate_timeout_seconds=3",
+                "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+                "--xla_cpu_collective_call_terminate_timeout_seconds=900",
             ],
         )
     )
