@@ -13,6 +13,15 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
 FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
+def mesh(axis_type, shape=(8,), names=("data",)) -> jax.sharding.Mesh:
+    """A mesh of the first ``prod(shape)`` of the 8 CPU devices, every axis of
+    ``axis_type``."""
+    count = int(np.prod(shape))
+    return jax.make_mesh(
+        shape, names, axis_types=(axis_type,) * len(shape), devices=jax.devices()[:count]
+    )
+
+
 def random_array(seed: int, shape: tuple[int, ...], dtype) -> jnp.ndarray:
     """Seeded normal floats, or small integers for integer dtypes."""
     rng = np.random.default_rng(seed)

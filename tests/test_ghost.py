@@ -16,7 +16,7 @@ import pytest
 import microbatching
 from microbatching import AccumulationType, micro_grad
 
-from .strategies import assert_close
+from .strategies import assert_close, mesh
 
 BATCH = 8
 MICROBATCH = 4
@@ -755,11 +755,9 @@ def test_scalar_sites_on_an_explicit_mesh(name, method):
     grads = per_example_grads(model)
     clip = median_norm(grads)
     fn = grad_fn(model, l2_clip_norm=clip, clip_method=method, metrics_fn=microbatching.l2_norm)
-    mesh = jax.make_mesh(
-        (4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4]
-    )
-    with jax.set_mesh(mesh):
-        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
+    explicit = mesh(jax.sharding.AxisType.Explicit, (4,))
+    with jax.set_mesh(explicit):
+        batch = jax.device_put(model.batch, jax.sharding.NamedSharding(explicit, jax.P("data")))
         got, aux = jax.jit(fn)(model.params, *batch)
     assert_close(got, clipped_sum(grads, clip), terms=4)
     assert_close(aux.metrics, norms(grads))

@@ -9,7 +9,7 @@ import pytest
 from microbatching import AccumulationType, Accumulator, micro_grad, micro_vmap, microbatch
 
 from .strategies import ROWS_W as W
-from .strategies import SIN_W, SIN_X, assert_close, random_array, rows, sin_loss, weighted
+from .strategies import SIN_W, SIN_X, assert_close, mesh, random_array, rows, sin_loss, weighted
 from .strategies import two_layer_loss as _loss
 from .strategies import two_layer_params as _params
 
@@ -274,11 +274,7 @@ MAPPED_WEIGHTS = jnp.asarray(
 
 
 def _explicit_mesh() -> jax.sharding.Mesh:
-    from jax.sharding import AxisType
-
-    return jax.make_mesh(
-        (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
-    )
+    return mesh(jax.sharding.AxisType.Explicit, (4,))
 
 
 def test_weights_mapped_by_vmap_on_an_explicit_mesh():
