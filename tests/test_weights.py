@@ -591,3 +591,40 @@ def test_example_weights_none_means_no_weights():
     x = random_array(0, (6, 3), F32)
     mapped = micro_vmap(rows, microbatch_size=4, accumulator=SUM, allow_remainder=True)
     np.testing.assert_array_equal(mapped(x, example_weights=None), mapped(x))
+
+
+def test_a_derivative_under_vmap_over_the_count_reads_nothing_a_count_skips():
+    """Round 14 of the hostile tests: ``jax.vmap`` over ``num_real_microbatches`` of
+    ``jax.grad`` through ``microbatch``, where a microbatch that one count skips (a loop
+    microbatch, the remainder) has an infinite or NaN derivative: each count's gradient
+    is that of its own microbatches, as without the vmap. The skip ran both sides and
+    guarded only its operands; the batch a loop body slices and the parameters it
+    closes over carried ``0 * inf`` into the counts that skip."""
+    w = jnp.asarray([1.0, 2.0])
+    x = np.full((10, 2), 1.0, np.float32)  # microbatches of 4: rows {0, 2, 4, 6}, {1, 3, 5, 7}
+    x[1, 0] = 0.0  # the second microbatch: the derivative of sqrt is inf there
+    x[9, 1] = np.nan  # the remainder, rows {8, 9}
+    x = jnp.asarray(x)
+
+    def grads(count, w, x):
+        looped = microbatch(
+            lambda w, x: jnp.sum(jnp.sqrt(x) @ w),
+            1,
+            4,
+            SUM,
+            allow_remainder=True,
+            num_real_microbatches=count,
+        )
+        return jax.grad(looped, (0, 1))(w, x)
+
+    counts = jnp.asarray([0, 1, 2, 3], jnp.int32)
+    got = jax.jit(jax.vmap(grads, (0, None, None)))(counts, w, x)
+    which = np.arange(10)
+    microbatch_of = np.where(which < 8, which % 2, 2)
+    for i, count in enumerate([0, 1, 2, 3]):
+        ran = microbatch_of < count
+        want = jax.grad(lambda w, x, ran=ran: jnp.sum(jnp.sqrt(x[ran]) @ w), (0, 1))(w, x)
+        for one, reference in zip((got[0][i], got[1][i]), want, strict=True):
+            finite = np.isfinite(np.asarray(reference))
+            np.testing.assert_array_equal(np.isfinite(np.asarray(one)), finite)
+            assert_close(jnp.where(finite, one, 0), jnp.where(finite, reference, 0), terms=4)

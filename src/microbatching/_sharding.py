@@ -106,21 +106,26 @@ def cond(
     cond's own predicate is never mapped: it is whether ``pred`` holds for any of the
     mapped values (``_anyone``). Inside, each mapped value takes ``true_fun``'s result
     where its own ``pred`` holds and ``false_fun``'s elsewhere, as JAX's select does, and
-    the side that a value does not take sees the ``operands`` through ``stop_gradient``,
-    so that no derivative of that side reaches them (pass as operands what the branches
-    differentiate: what they close over is not guarded). Unmapped, those selects are on
-    a constant True (``_mine``), which XLA folds away.
+    the side that a value does not take sees its inputs through ``stop_gradient``, so
+    that no derivative of that side reaches them: a zero cotangent times the side's own
+    derivative, infinite or NaN on data it was never meant to read, would be NaN. Its
+    inputs are the ``operands`` and what each branch closes over (the batch a loop body
+    slices, the parameters), hoisted by ``jax.closure_convert``. Unmapped, those selects
+    are on a constant True (``_mine``), which XLA folds away.
     """
+    true_run, true_held = jax.closure_convert(true_fun, *operands)
+    false_run, false_held = jax.closure_convert(false_fun, *operands)
 
-    def either(pred: Any, *operands: Any) -> Any:
-        taken = true_fun(*_guard(pred, True, operands))
-        other = false_fun(*_guard(pred, False, operands))
+    def either(pred: Any, operands: Any, true_held: Any, false_held: Any) -> Any:
+        taken = true_run(*_guard(pred, True, (*operands, *true_held)))
+        other = false_run(*_guard(pred, False, (*operands, *false_held)))
         return _pick(pred, taken, other)
 
-    def skipped(pred: Any, *operands: Any) -> Any:
-        return false_fun(*operands)
+    def skipped(pred: Any, operands: Any, true_held: Any, false_held: Any) -> Any:
+        return false_run(*operands, *false_held)
 
-    return jax.lax.cond(_anyone(pred), either, skipped, pred, *operands)
+    held = (operands, true_held, false_held)
+    return jax.lax.cond(_anyone(pred), either, skipped, pred, *held)
 
 
 @jax.custom_batching.custom_vmap
