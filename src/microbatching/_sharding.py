@@ -95,7 +95,11 @@ def varying_of(value: Any) -> tuple[str, ...]:
 
 
 def cond(
-    pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any
+    pred: Any,
+    true_fun: Callable[..., Any],
+    false_fun: Callable[..., Any],
+    *operands: Any,
+    guard_closures: bool = True,
 ) -> Any:
     """``jax.lax.cond(pred, true_fun, false_fun, *operands)``, also where ``jax.vmap``
     maps ``pred`` over values sharded on an Explicit mesh.
@@ -110,11 +114,16 @@ def cond(
     that no derivative of that side reaches them: a zero cotangent times the side's own
     derivative, infinite or NaN on data it was never meant to read, would be NaN. Its
     inputs are the ``operands`` and what each branch closes over (the batch a loop body
-    slices, the parameters), hoisted by ``jax.closure_convert``. Unmapped, those selects
-    are on a constant True (``_mine``), which XLA folds away.
+    slices, the parameters), hoisted by ``jax.closure_convert``; without
+    ``guard_closures``, the ``operands`` alone (a jvp rule's branch, which closes over
+    tangents: a ``stop_gradient`` on a value linear in them cannot be transposed).
+    Unmapped, those selects are on a constant True (``_mine``), which XLA folds away.
     """
-    true_run, true_held = jax.closure_convert(true_fun, *operands)
-    false_run, false_held = jax.closure_convert(false_fun, *operands)
+    if guard_closures:
+        true_run, true_held = jax.closure_convert(true_fun, *operands)
+        false_run, false_held = jax.closure_convert(false_fun, *operands)
+    else:
+        true_run, true_held, false_run, false_held = true_fun, [], false_fun, []
 
     def either(pred: Any, operands: Any, true_held: Any, false_held: Any) -> Any:
         taken = true_run(*_guard(pred, True, (*operands, *true_held)))
