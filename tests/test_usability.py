@@ -62,6 +62,23 @@ def test_progress_counts_a_traced_num_real_microbatches(capsys):
     assert lines[-1].endswith("3/3 microbatches (100%)") and len(lines) == 3
 
 
+def test_progress_under_vmap_over_the_count_reports_only_what_each_lane_runs(capsys):
+    def run(count):
+        fun = micro_vmap(
+            jnp.sum,
+            microbatch_size=4,
+            accumulator=AccumulationType.SUM,
+            num_real_microbatches=count,
+            progress=True,
+        )
+        return fun(X[:12])
+
+    jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.array([1, 3])))
+    lines = _lines(capsys.readouterr().err, "micro_vmap(sum)")
+    reports = sorted(line.split("] ")[1].split(" ")[0] for line in lines)
+    assert reports == ["1/1", "1/3", "2/3", "3/3"]
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_progress_on_a_mesh_is_one_bar(capsys, axis_type):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))

@@ -415,7 +415,7 @@ def _run(
             # the report comes after the microbatch's work. Only the index is taken from
             # it: inside shard_map it would make an unvarying carry varying.
             index = jax.lax.optimization_barrier((index, carry))[0]
-            _progress.tick(progress, index, bound)
+            _progress.tick(progress, index, bound, runs=True if runs is None else runs(index))
         return carry
 
     def body(index: Any, carry: Any) -> Any:
@@ -475,7 +475,7 @@ def _remainder(
     apart: ClosedJaxpr, out_tree: Any, loop: Loop, acc: Any, carry: Any, progress: str | None
 ) -> Any:
     """Folds ``fun`` of the last, partial microbatch into the carry, as microbatch ``full``."""
-    batch, full = loop.batch, loop.batch.full
+    bound, full = loop.batch.bound, loop.batch.full
 
     def fold(carry: Any) -> Any:
         with jax.named_scope("remainder"):
@@ -484,10 +484,9 @@ def _remainder(
             if progress is not None:
                 leaves = jax.tree.leaves(carry)
                 after = jax.numpy.sum(jax.numpy.ravel(leaves[0])[:1]) if leaves else None
-                _progress.tick(progress, full, batch.bound, after)
+                _progress.tick(progress, full, bound, after, bound > full)
             return carry
 
-    bound = batch.bound
     if isinstance(bound, int):
         return fold(carry) if bound > full else carry
     return _sharding.cond(bound > full, fold, lambda c: c, carry)

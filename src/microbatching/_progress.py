@@ -33,19 +33,25 @@ _shards: dict[tuple[str, int], set[int]] = {}
 """Per bar and microbatch, the shards that have reported it in the current call."""
 
 
-def tick(name: str, index: Any, total: Any, after: Any = None) -> None:
+def tick(name: str, index: Any, total: Any, after: Any = None, runs: Any = True) -> None:
     """Reports, from inside the loop, that microbatch ``index`` of ``total`` has run.
 
     ``after``, a scalar computed from the microbatch's result, makes the report wait for
     it where ``index`` is a constant (the remainder after the loop), which XLA would
-    otherwise report first.
+    otherwise report first. ``runs``, where traced, is whether the microbatch runs: under
+    ``jax.vmap`` over a count, a lane that skips it still computes its branch (a select
+    picks the result), and its report is dropped on the host.
     """
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # inside shard_map
     shard = jax.lax.axis_index(manual) if manual else 0
-    jax.debug.callback(functools.partial(_report, name), index, total, shard, after)
+    jax.debug.callback(functools.partial(_report, name), index, total, shard, after, runs)
 
 
-def _report(name: str, index: Any, total: Any, shard: Any = 0, after: Any = None) -> None:
+def _report(
+    name: str, index: Any, total: Any, shard: Any = 0, after: Any = None, runs: Any = True
+) -> None:
+    if not bool(runs):
+        return
     done, total = int(index) + 1, int(total)
     stream = sys.stderr
     label = name if jax.process_count() == 1 else f"[process {jax.process_index()}] {name}"
