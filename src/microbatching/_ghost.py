@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from . import _clipping, _programs, _sharding
@@ -616,6 +617,9 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
     backward pass from each example's loss to every site's outputs."""
     env = free_values(program, params)
     sites = {s.eqn: k for k, s in enumerate(program.sites)}
+    computed: list[list[bool]] = [[] for _ in program.sites]
+    """Per site and floating output, whether JAX's backward pass computes its cotangent
+    (is not a symbolic zero); set by ``_tap`` as the backward pass is traced."""
 
     def forward(data: Sequence[Any], taps: list[list[Any]]) -> tuple[Any, Any]:
         values = dict(env)
@@ -634,7 +638,10 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
             if k is not None and program.sites[k].same_as is None:
                 tapped = iter(taps[k])
                 floating = _floating(program, e.outs)
-                outs = [o + next(tapped) if f else o for o, f in zip(outs, floating, strict=True)]
+                outs = [
+                    _tap(o, next(tapped), computed[k]) if f else o
+                    for o, f in zip(outs, floating, strict=True)
+                ]
             values.update(zip(e.outs, outs, strict=True))
         outs = [_read(values, a) for a in program.outs]
         return outs[0], (outs, inputs)
@@ -661,9 +668,6 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
     closed, shapes = jax.make_jaxpr(jax.vmap(one), return_shape=True)(list(example))
     flat = jaxpr_as_fun(closed)(*jax.tree.leaves(list(example)))
     outs, inputs, cotangents = jax.tree.unflatten(jax.tree.structure(shapes), flat)
-    computed = jax.tree.unflatten(jax.tree.structure(shapes), _example_dependent(closed.jaxpr))[
-        2
-    ]  # which cotangents JAX computes from the example: not a symbolic zero
     for k in reversed(range(len(program.sites))):
         shared = program.sites[k].same_as
         if shared is not None:
@@ -680,15 +684,26 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
     return Recorded(outs, inputs, cotangents)
 
 
-def _example_dependent(jaxpr: Jaxpr) -> list[bool]:
-    """Which of ``jaxpr``'s outputs depend on its inputs (the examples; what it closes
-    over is in its constants). A cotangent that does not is one JAX's backward pass never
-    computed from the example: a symbolic zero, instantiated (or a constant)."""
-    dependent = set(jaxpr.invars)
-    for e in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in dependent for v in e.invars):
-            dependent.update(e.outvars)
-    return [not isinstance(v, Literal) and v in dependent for v in jaxpr.outvars]
+def _tap(out: Any, tap: Any, computed: list[bool]) -> Any:
+    """``out + tap``, appending to ``computed`` whether the backward pass gives the sum
+    a cotangent that it computes (the user's ``custom_vjp`` returning ``zeros_like``
+    computes one: it meets the data in JAX's product) or a symbolic zero (an output that
+    reaches the loss only through an unused output, a rule that returns None: JAX never
+    forms that product). A static fact of the trace, the same for every example."""
+
+    @jax.custom_vjp
+    def add(out: Any, tap: Any) -> Any:
+        return out + tap
+
+    def forward(out: Any, tap: Any) -> tuple[Any, None]:
+        return out.value + tap.value, None
+
+    def backward(_: None, cotangent: Any) -> tuple[Any, Any]:
+        computed.append(not isinstance(cotangent, SymbolicZero))
+        return cotangent, cotangent
+
+    add.defvjp(forward, backward, symbolic_zeros=True)
+    return add(out, tap)
 
 
 def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:

@@ -289,17 +289,12 @@ class Sums:
     by_shard: bool = False
 
     @property
-    def checks_underflow(self) -> bool:
-        """Whether the ghost sums check their scaled cotangents for underflow
-        (``_ghost.clipped_sum``): not on one shard's rows, which run vmapped over the
-        shards, where the check's ``lax.cond`` would run both branches."""
-        return not self.by_shard
-
-    @property
     def branches(self) -> bool:
-        """Whether the per-example norms may take the plain sums of squares where they
-        are safe (``_clipping``): not on one shard's rows, which run vmapped over the
-        shards, where the branch would run both sides."""
+        """Whether the sums may branch on the data (a ``lax.cond``): the per-example norms
+        to the plain sums of squares where they are safe (``_clipping``), the ghost sums
+        to check their scaled cotangents for underflow (``_ghost.clipped_sum``). Not on
+        one shard's rows, which run vmapped over the shards, where a branch runs both
+        sides."""
         return not self.by_shard
 
     @property
@@ -559,7 +554,7 @@ def ghost(
         wide = jnp.promote_types(weights.dtype, scale.dtype)
         scale = jnp.where(given[:, None] != 0, scale.astype(wide) * weights[:, None], 0)
     clean = given is not None or (clipping is not None and clipping.nan_safe)
-    checked = norms if sums.checks_underflow else None
+    checked = norms if sums.branches else None
     total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked)
     grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
@@ -598,7 +593,7 @@ def statistics(
     else:
         weights, keep = given.astype(jnp.promote_types(given.dtype, scale.dtype)), given != 0
     clean = given is not None or (clipping is not None and clipping.nan_safe)
-    checked = norms if sums.checks_underflow else None
+    checked = norms if sums.branches else None
     each = _statistics.Rows(scale, groups, weights, keep, clean, checked)
 
     def tree(leaves: list[Any]) -> PyTree:
