@@ -142,10 +142,11 @@ def grad_fn(loss: Any, dtype: Any, **options: Any) -> Any:
     )
 
 
+# auto takes the ghost norms on every rule here (the test asserts it), so it stands for a
+# forced "ghost" as well, which would compile the same program; per-layer bounds force it.
 PATHS = {
     "l2_norm": {},
     "auto": {"l2_clip_norm": CLIP},
-    "ghost": {"l2_clip_norm": CLIP, "clip_method": "ghost"},
     "two_pass": {"l2_clip_norm": CLIP, "clip_method": "two_pass"},
     "per-layer": {"l2_clip_norm": {"w": CLIP}, "clip_method": "ghost"},
 }
@@ -161,7 +162,7 @@ def test_cancelling_rows_keep_their_norms(rule: str, dtype: Any, path: str) -> N
         options["l2_clip_norm"] = {next(iter(params)): CLIP}
     fn = grad_fn(loss, dtype, **options)
     report = microbatching.clipping_report(fn, params, *batch)
-    assert report.method in ("ghost", "two_pass"), str(report)
+    assert report.method == ("two_pass" if path == "two_pass" else "ghost"), str(report)
     assert [leaf.form for leaf in report.leaves] == ["gram"], str(report)
     summed, aux = jax.jit(fn)(params, *batch)
     norms, rows, grads = references(reference, batch)
