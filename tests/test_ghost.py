@@ -1453,6 +1453,31 @@ def test_an_outer_derivative_through_nan_safe_leaves_a_dropped_row_out(method, t
         assert_close(jax.jacfwd(outer)(p), jax.grad(reference)(p), terms=4)
 
 
+@pytest.mark.parametrize("method", ["auto", "materialize"])
+def test_under_vmap_a_lane_that_drops_a_whole_microbatch_keeps_its_outer_derivative(method):
+    """Round 15 of the hostile tests: under ``jax.vmap`` over the data, ``jax.grad`` of a
+    function of the ``nan_safe`` clipped sum was NaN for a lane whose microbatch keeps no
+    row, while another lane keeps rows there: both lanes ran the derivative's branch,
+    and the dropped lane's NaN stand-in met a zero cotangent."""
+    rng = np.random.default_rng(15)
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    y = jnp.asarray(rng.normal(size=4), jnp.float32)
+    p = jnp.asarray([0.3, -0.2, 0.5])
+    loss = lambda w, x, y: jnp.sum((jnp.tanh(x @ w) - y) ** 2)  # noqa: E731
+    fn = micro_grad(
+        loss, batch_argnums=(1, 2), microbatch_size=2, l2_clip_norm=0.5, nan_safe=True,
+        clip_method=method,
+    )  # fmt: skip
+    outer = lambda w, x: jnp.sum(fn(w, x, y)[0] ** 2)  # noqa: E731
+    dropped = x.copy()
+    dropped[[0, 2], 0] = np.nan  # microbatch 0 (rows 0 and 2): no row kept
+    lanes = jnp.asarray(np.stack([dropped, x]))
+    got = jax.jit(jax.vmap(jax.grad(outer), (None, 0)))(p, lanes)
+    want = jnp.stack([jax.grad(outer)(p, lane) for lane in lanes])
+    assert np.isfinite(np.asarray(want)).all()
+    assert_close(got, want, terms=4)
+
+
 @pytest.mark.parametrize("method", ["ghost", "materialize"])
 def test_nan_safe_passes_derivatives_of_what_the_loss_closes_over_and_of_the_bound(method):
     """Round 13: with ``nan_safe`` the step's derivative rule ignored what the loss closes

@@ -83,7 +83,7 @@ def drops_in_derivatives(
 
             outs, structure = jax.tree.flatten(out)
             still = lambda: [jnp.zeros_like(o) for o in outs if _moves(o)]  # noqa: E731
-            floats = iter(_sharding.cond(_any_kept(keep), moved, still, guard_closures=False))
+            floats = iter(_sharding.cond(_any_kept(keep), moved, still))
             return out, structure.unflatten(
                 [next(floats) if _moves(o) else _no_tangent(o) for o in outs]
             )

@@ -99,7 +99,6 @@ def cond(
     true_fun: Callable[..., Any],
     false_fun: Callable[..., Any],
     *operands: Any,
-    guard_closures: bool = True,
 ) -> Any:
     """``jax.lax.cond(pred, true_fun, false_fun, *operands)``, also where ``jax.vmap``
     maps ``pred`` over values sharded on an Explicit mesh.
@@ -110,20 +109,18 @@ def cond(
     cond's own predicate is never mapped: it is whether ``pred`` holds for any of the
     mapped values (``_anyone``). Inside, each mapped value takes ``true_fun``'s result
     where its own ``pred`` holds and ``false_fun``'s elsewhere, as JAX's select does, and
-    the side that a value does not take sees its inputs through ``stop_gradient``, so
+    the side that a value does not take sees zeros in place of its floating inputs, so
     that no derivative of that side reaches them: a zero cotangent times the side's own
-    derivative, infinite or NaN on data it was never meant to read, would be NaN. Its
-    inputs are the ``operands`` and what each branch closes over (the batch a loop body
-    slices, the parameters), hoisted by ``jax.closure_convert``; without
-    ``guard_closures``, the ``operands`` alone (a jvp rule's branch, which closes over
-    tangents: a ``stop_gradient`` on a value linear in them cannot be transposed).
+    derivative, infinite or NaN on data it was never meant to read, would be NaN, and
+    the select stops it where a product would not. Its inputs are the ``operands`` and
+    what each branch closes over (the batch a loop body slices, the parameters, a jvp
+    rule's tangents), hoisted by ``jax.closure_convert``. A select with zeros is linear,
+    so it also guards values linear in a derivative's tangents (``_dropped``'s branch),
+    which ``stop_gradient`` could not: it has no transpose (round 15).
     Unmapped, those selects are on a constant True (``_mine``), which XLA folds away.
     """
-    if guard_closures:
-        true_run, true_held = jax.closure_convert(true_fun, *operands)
-        false_run, false_held = jax.closure_convert(false_fun, *operands)
-    else:
-        true_run, true_held, false_run, false_held = true_fun, [], false_fun, []
+    true_run, true_held = jax.closure_convert(true_fun, *operands)
+    false_run, false_held = jax.closure_convert(false_fun, *operands)
 
     def either(pred: Any, operands: Any, true_held: Any, false_held: Any) -> Any:
         taken = true_run(*_guard(pred, True, (*operands, *true_held)))
@@ -169,14 +166,14 @@ def _mine_mapped(axis_size: int, in_batched: Any, pred: Any) -> tuple[Any, bool]
 @functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(1,))
 def _guard(pred: Any, side: bool, values: Any) -> Any:
     """``values`` for each mapped value that takes ``side`` (its ``pred`` is ``side``),
-    else through ``stop_gradient`` (floating leaves: the others carry no derivative)."""
+    else zeros (floating leaves: the others carry no derivative)."""
     mine = _mine(pred)
     keep = mine if side else jax.numpy.logical_not(mine)
 
     def one(x: Any) -> Any:
         if not jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact):
             return x
-        return jax.lax.select(keep, x, jax.lax.stop_gradient(x))
+        return jax.lax.select(keep, x, jax.numpy.zeros_like(x))
 
     return jax.tree.map(one, values)
 
