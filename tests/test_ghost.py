@@ -781,6 +781,24 @@ def test_every_clip_method_gives_the_clipped_sum(method):
     assert report.method == ("ghost" if method == "auto" else method)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_an_infinite_gradient_entry_makes_its_leaf_nan_on_every_method(method):
+    """Round 15 of the hostile tests: an example whose gradient holds ``inf`` has norm
+    ``inf`` and factor 0, and ``inf * 0`` is NaN on every method (``nan_safe`` is the
+    option that drops it); ``materialize`` alone dropped the example silently. A leaf
+    whose entries it keeps finite gets 0 from it."""
+    x = jnp.asarray([[1.0, 2.0], [jnp.inf, 1.0], [0.5, -1.0], [2.0, 0.0]])
+    params = {"w": jnp.asarray([0.3]), "b": jnp.float32(0.1)}
+    loss = lambda p, x: jnp.sum(jnp.tanh(x[:, 1:] @ p["w"]) + p["b"] * x[:, 0])  # noqa: E731
+    fn = micro_grad(loss, batch_argnums=1, microbatch_size=2, l2_clip_norm=1.0,
+                    clip_method=method)  # fmt: skip
+    got = jax.jit(fn)(params, x)[0]
+    assert np.isnan(np.asarray(got["b"]))
+    others = x[np.asarray([0, 2, 3])]
+    grads = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), (None, 0))(params, others)
+    assert_close(got["w"], clipped_sum(grads, 1.0)["w"], terms=4)
+
+
 def half_mlp() -> Model:
     """``mlp`` in float16, whose sums accumulate in float32."""
     model = mlp()
@@ -1458,7 +1476,10 @@ def test_under_vmap_a_lane_that_drops_a_whole_microbatch_keeps_its_outer_derivat
     """Round 15 of the hostile tests: under ``jax.vmap`` over the data, ``jax.grad`` of a
     function of the ``nan_safe`` clipped sum was NaN for a lane whose microbatch keeps no
     row, while another lane keeps rows there: both lanes ran the derivative's branch,
-    and the dropped lane's NaN stand-in met a zero cotangent."""
+    and the dropped lane's NaN stand-in met a zero cotangent. And ``jax.grad`` outside
+    the ``jax.vmap`` (of the lanes' sum) failed in JAX ("Transpose rule for
+    stop_gradient"): the derivative's branches on the norms, mapped, were selects JAX
+    cannot transpose."""
     rng = np.random.default_rng(15)
     x = rng.normal(size=(4, 3)).astype(np.float32)
     y = jnp.asarray(rng.normal(size=4), jnp.float32)
@@ -1476,6 +1497,8 @@ def test_under_vmap_a_lane_that_drops_a_whole_microbatch_keeps_its_outer_derivat
     want = jnp.stack([jax.grad(outer)(p, lane) for lane in lanes])
     assert np.isfinite(np.asarray(want)).all()
     assert_close(got, want, terms=4)
+    total = lambda w: jnp.sum(jax.vmap(outer, (None, 0))(w, lanes))  # noqa: E731
+    assert_close(jax.jit(jax.grad(total))(p), jnp.sum(want, axis=0), terms=8)
 
 
 @pytest.mark.parametrize("method", ["ghost", "materialize"])

@@ -581,3 +581,37 @@ def test_micro_vmap_with_an_unmapped_argument_split_over_the_batch_axis():
         grad = jax.jit(jax.grad(lambda w, x: jnp.sum(fun(w, x))))(ws, xs)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert grad.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+
+
+def _biased(p, x, y):
+    return jnp.sum((jnp.tanh(x @ p["w"]) + p["b"][None] - y) ** 2)
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "materialize", "two_pass"])
+def test_clipping_on_an_explicit_mesh_with_a_bias_and_a_leaf_the_loss_never_reads(method):
+    """Round 15 of the hostile tests: on an Explicit mesh, clipping failed in JAX
+    ("All operands should have the same sharding") for a parameter the loss never reads,
+    whose norm does not depend on the rows; and ``nan_safe`` with a bias failed on the
+    gather of its stand-in row. ``nan_safe`` drops the row of NaN."""
+    x = np.array(random_array(2, (16, 3), jnp.float32))
+    y = random_array(3, (16, 2), jnp.float32)
+    nan_safe = method != "two_pass"
+    if nan_safe:
+        x[5, 1] = np.nan
+    params = {"w": random_array(4, (3, 2), jnp.float32), "b": jnp.asarray([0.1, -0.2]),
+              "unused": jnp.ones(2)}  # fmt: skip
+    fn = micro_grad(
+        _biased, batch_argnums=(1, 2), microbatch_size=8, l2_clip_norm=0.7, nan_safe=nan_safe,
+        clip_method=method,
+    )  # fmt: skip
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
+        got = jax.jit(fn)(params, *placed)[0]
+    keep = np.isfinite(x).all(axis=1)
+    one = lambda p, x, y: _biased(p, x[None], y[None])  # noqa: E731
+    grads = jax.vmap(jax.grad(one), (None, 0, 0))(params, x[keep], y[keep])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(g), -1) ** 2, axis=1) for g in grads.values()))
+    scale = jnp.minimum(1.0, 0.7 / norms)
+    want = {k: jnp.tensordot(scale, g, axes=1) for k, g in grads.items()}
+    assert_close(got, want, terms=16)

@@ -20,11 +20,13 @@ The scaling is computed in at least float32. A norm beyond the dtype's largest n
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from . import _sharding
 from ._typing import PyTree
 
 
@@ -48,7 +50,19 @@ def _norms(groups: list[list[Any]], rows: int, branch: bool) -> jax.Array:
     values = [[_wide(g) for g in group] for group in groups]
     dtype = jnp.result_type(jnp.float32, *(v for group in values for v in group))
     norms = [_norm_of(group, rows, dtype, branch) for group in values]
-    return jnp.stack(norms, axis=1) if norms else jnp.zeros((rows, 0), dtype)
+    return jnp.stack(aligned(norms), axis=1) if norms else jnp.zeros((rows, 0), dtype)
+
+
+def aligned(columns: list[jax.Array]) -> list[jax.Array]:
+    """``columns`` (one entry per row) to stack, each varying with all of them
+    (``_sharding.varying_like``): under ``jax.vmap`` over the shards of a batch on an
+    Explicit mesh, a column that does not depend on the rows (the norm of a parameter
+    the loss never reads) is unmapped, and JAX's batching rule for ``stack`` broadcasts
+    it without the mapped ones' sharding, which ``stack`` refuses (round 15)."""
+    if len(columns) < 2:
+        return columns
+    rows = functools.reduce(jnp.logical_or, [jnp.isnan(c) for c in columns])
+    return [_sharding.varying_like(c, rows) for c in columns]
 
 
 def _norm_of(values: list[jax.Array], rows: int, dtype: Any, branch: bool) -> jax.Array:
@@ -59,7 +73,9 @@ def _norm_of(values: list[jax.Array], rows: int, dtype: Any, branch: bool) -> ja
     )
     info = jnp.finfo(dtype)
     plain = jnp.all((squares >= SAFE_LOW * info.tiny) & (squares <= info.max / SAFE_HIGH))
-    return jax.lax.cond(plain, lambda: sqrt(squares), lambda: _scaled_norms(values, rows, dtype))
+    return _sharding.data_cond(
+        plain, lambda: sqrt(squares), lambda: _scaled_norms(values, rows, dtype)
+    )
 
 
 SAFE_LOW = 2.0**66
@@ -267,7 +283,7 @@ class Clipping:
             members = [leaf for leaf, g in enumerate(groups) if g == group]
             scale = factor(row_norms(norms[:, members], rows), bound)
             columns.append(scale / bound if self.unit else scale)
-        scale = jnp.stack(columns, axis=1) if columns else jnp.ones((rows, 0))
+        scale = jnp.stack(aligned(columns), axis=1) if columns else jnp.ones((rows, 0))
         if self.nan_safe:
             finite = jnp.all(jnp.isfinite(norms), axis=1, keepdims=True)
             scale = jnp.where(finite, scale, jnp.zeros((), scale.dtype))
@@ -286,8 +302,10 @@ class Clipping:
         norms = _norms([[jnp.asarray(g)[None]] for g in leaves], 1, branch=False)
         norms = norms if leaves else jnp.zeros((1, 0), jnp.float32)
         scales = self.per_leaf(norms, grads)
-        clipped = [
-            jnp.where(s[0] != 0, g * s[0].astype(g.dtype), jnp.zeros((), g.dtype))
-            for g, s in zip(leaves, scales, strict=True)
-        ]
+        clipped = [g * s[0].astype(g.dtype) for g, s in zip(leaves, scales, strict=True)]
+        if self.nan_safe:  # factor 0: dropped, its NaN selected away (else NaN, round 15)
+            clipped = [
+                jnp.where(s[0] != 0, c, jnp.zeros((), c.dtype))
+                for c, s in zip(clipped, scales, strict=True)
+            ]
         return jax.tree.unflatten(structure, clipped)

@@ -64,21 +64,28 @@ def drops_in_derivatives(
         finds, found_with = jax.closure_convert(
             lambda *values: kept(plan, *rebuilt(values)), *dynamic
         )
+        # The derivative's own trace of the step, whose branches ``jax.grad`` can
+        # transpose under ``jax.vmap`` (``_sharding.transposable_branches``); a function
+        # of its own, as closure_convert caches its traces by function.
+        with _sharding.transposable_branches():
+            pushing, pushed_with = jax.closure_convert(lambda *v: plain(*v), *dynamic)
         count, used = len(dynamic), len(dynamic) + len(consts)
+        pushes = used + len(found_with)
 
         @jax.custom_jvp
         def run(*values: Any) -> Any:
-            return converted(*values[:used])  # the rest: what ``kept`` closes over
+            return converted(*values[:used])  # the rest: what ``kept`` and the jvp hold
 
         @run.defjvp
         def derivative(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
             out = run(*primals)
             w, a, k = rebuilt(primals[:count])
-            keep = finds(*primals[:count], *primals[used:])
+            keep = finds(*primals[:count], *primals[used:pushes])
             cleaned = flat(_zeroed(w, keep), *_standing_in(a, k, keep, axes, mesh_axes))
 
             def moved() -> list[Any]:
-                pushed = jax.jvp(converted, (*cleaned, *primals[count:used]), tangents[:used])[1]
+                held = (*cleaned, *primals[pushes:])
+                pushed = jax.jvp(pushing, held, (*tangents[:count], *tangents[pushes:]))[1]
                 return [t for t in jax.tree.leaves(pushed) if _moves(t)]
 
             outs, structure = jax.tree.flatten(out)
@@ -88,7 +95,7 @@ def drops_in_derivatives(
                 [next(floats) if _moves(o) else _no_tangent(o) for o in outs]
             )
 
-        return run(*dynamic, *consts, *found_with)
+        return run(*dynamic, *consts, *found_with, *pushed_with)
 
     return safe
 

@@ -763,7 +763,9 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
         for leaf, norms in zip(direct, _direct_norms(program, params, seen, direct), strict=True):
             columns[leaf] = norms
     wide = jnp.result_type(*columns) if columns else jnp.float32
-    return jnp.stack([c.astype(wide) for c in columns], axis=1) if columns else jnp.zeros((rows, 0))
+    if not columns:
+        return jnp.zeros((rows, 0))
+    return jnp.stack(_clipping.aligned([c.astype(wide) for c in columns]), axis=1)
 
 
 def shared_inputs(program: Program) -> list[list[int]]:
@@ -844,7 +846,7 @@ def _shared_site_norms(program: Program, leaves: Sequence[int], seen: Recorded) 
             own = [_checked(program, rule, (x, g)) for rule, g in zip(rules, gs, strict=True)]
             return jnp.stack(own, axis=1).astype(norms.dtype)
 
-        return jax.lax.cond(jnp.all(fits), checked, alone)
+        return _sharding.data_cond(jnp.all(fits), checked, alone)
 
     pairs = (seen.inputs[ks[0]], [seen.cotangents[k] for k in ks])
     return _by_chunks(chunked, pairs, _chunk_rows(sum(rule.bytes for rule in rules)))
@@ -864,7 +866,7 @@ def _recomputed(
         exact = jax.lax.map(product, chunk, batch_size=_chunk_rows(rule.product_bytes))
         return jnp.where(reliable, norms, exact.astype(norms.dtype))
 
-    return jax.lax.cond(jnp.all(reliable), lambda: norms, recomputed)
+    return _sharding.data_cond(jnp.all(reliable), lambda: norms, recomputed)
 
 
 def _checked(program: Program, rule: Rule, chunk: Any) -> jax.Array:
@@ -1149,7 +1151,7 @@ def _linear_sum(
         return book_keeping()
     target = jnp.abs(unit) * jnp.max(norms[:, leaves], axis=1)
     risky = underflow_risk(program, seen, sites, unit, target)
-    return jax.lax.cond(
+    return _sharding.data_cond(
         jnp.any(risky),
         lambda: _per_example_sum(program, params, seen, leaves, sites, factor, kept, 1),
         book_keeping,
@@ -1301,6 +1303,7 @@ def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -
     first = jnp.argmax(keep)
 
     def cleaned(v: Any) -> Any:
+        v = _sharding.varying_like(v, keep)
         own = v
         if jnp.issubdtype(v.dtype, jnp.inexact):
             own = jnp.where(jnp.isfinite(v), v, jnp.zeros((), v.dtype))

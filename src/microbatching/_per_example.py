@@ -419,6 +419,7 @@ def explicit(
     if sums.clipping is not None:
         scales = sums.clipping.per_leaf(_clipping.leaf_norms(grads, rows, sums.branches), grads)
     keep = None if given is None else given != 0
+    dropping = sums.clipping is not None and sums.clipping.nan_safe
     if given is not None and given.dtype != jnp.bool_:
         scales = [s * given.astype(jnp.promote_types(given.dtype, s.dtype)) for s in scales]
 
@@ -427,10 +428,14 @@ def explicit(
         shape = (rows,) + (1,) * (g.ndim - 1)
         g = _layout.rows_apart(g)  # see there: XLA:CPU sums such rows wrongly
         terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
-        drop = jnp.reshape(scale == 0, shape)
-        if keep is not None:  # selected, so that a NaN of a weight-0 row cannot leak
-            drop = drop | ~jnp.reshape(keep, shape)
-        terms = jnp.where(drop, jnp.zeros((), wide), terms)
+        # Selected, so that a NaN of a row that ``nan_safe`` drops (factor 0) or of a
+        # weight-0 row cannot leak. Otherwise an infinite gradient times its factor 0 is
+        # NaN, as on the other methods (round 15: it was dropped here alone).
+        drop = jnp.reshape(scale == 0, shape) if dropping else None
+        if keep is not None:
+            drop = ~jnp.reshape(keep, shape) if drop is None else drop | ~jnp.reshape(keep, shape)
+        if drop is not None:
+            terms = jnp.where(drop, jnp.zeros((), wide), terms)
         return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
 
     out = Aux(values, measured, aux)

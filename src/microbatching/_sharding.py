@@ -7,6 +7,7 @@ and a branch on a predicate that ``jax.vmap`` may map goes through ``cond``.
 """
 
 import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Callable, Iterable
@@ -132,6 +133,49 @@ def cond(
 
     held = (operands, true_held, false_held)
     return jax.lax.cond(_anyone(pred), either, skipped, pred, *held)
+
+
+def varying_like(x: Any, rows: Any) -> Any:
+    """``x`` (rows on axis 0) plus an exact 0 made from the booleans ``rows``, one per row.
+
+    Under ``jax.vmap`` over the shards of a batch on an Explicit mesh
+    (``_per_example.by_shard``), a value that does not depend on the rows (a bias's
+    site input) is unmapped, and JAX's batching rules broadcast it without the mapped
+    values' sharding: a gather of it at mapped indices cannot resolve its sharding
+    (round 15, finding 4). An elementwise sum takes the mapped operand's; XLA folds the
+    0 away."""
+    zero = jax.numpy.logical_and(rows, False)
+    zero = jax.numpy.reshape(zero, zero.shape + (1,) * (jax.numpy.ndim(x) - 1))
+    if jax.numpy.result_type(x) == jax.numpy.bool_:
+        return jax.numpy.logical_or(x, zero)
+    return x + zero.astype(jax.numpy.result_type(x))
+
+
+_TRANSPOSABLE = contextvars.ContextVar("transposable_branches", default=False)
+
+
+@contextlib.contextmanager
+def transposable_branches() -> Any:
+    """While a step is traced for ``_dropped``'s derivative, the library's branches on the
+    data (``data_cond``) go through ``cond``. That derivative is a jvp that ``jax.grad``
+    transposes; under ``jax.vmap`` over the data JAX turns a ``lax.cond`` of a mapped
+    predicate into a select whose untaken side passes through ``stop_gradient``, which
+    has no transpose (round 15, finding 5). Elsewhere they stay plain ``lax.cond``s: one
+    branch, nothing added to the program."""
+    token = _TRANSPOSABLE.set(True)
+    try:
+        yield
+    finally:
+        _TRANSPOSABLE.reset(token)
+
+
+def data_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any]) -> Any:
+    """``jax.lax.cond(pred, true_fun, false_fun)`` for a branch that only saves work (both
+    sides give the same values where ``pred`` holds): ``cond`` inside
+    ``transposable_branches``."""
+    if _TRANSPOSABLE.get():
+        return cond(pred, true_fun, false_fun)
+    return jax.lax.cond(pred, true_fun, false_fun)
 
 
 @jax.custom_batching.custom_vmap
