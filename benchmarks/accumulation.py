@@ -353,8 +353,16 @@ def auto_mesh() -> str:
 Parts = Callable[[bool, int], list[Callable[[], str]]]
 
 
-def report(argv: Sequence[str], script: str, title: str, results: Path, parts: Parts) -> None:
-    """Runs ``parts(quick, reps)`` in order, prints each table and writes them to ``results``."""
+def report(
+    argv: Sequence[str],
+    script: str,
+    title: str,
+    results: Path,
+    parts: Parts,
+    timed: Callable[[int], int] = lambda reps: reps,
+) -> None:
+    """Runs ``parts(quick, reps)`` in order, prints each table and writes them to ``results``;
+    ``timed(reps)``: how many repetitions the parts time, as the header states."""
     parser = argparse.ArgumentParser(description=title)
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 reps, prints only")
     parser.add_argument("--reps", type=int, help="timed repetitions (default 21, quick 3)")
@@ -368,7 +376,7 @@ def report(argv: Sequence[str], script: str, title: str, results: Path, parts: P
         f"# {title}: measured",
         "",
         f"`{stamp.command}` on {jax.devices()[0].device_kind}, {stamp.describe()}, "
-        f"jax {jax.__version__}, {reps} interleaved repetitions.",
+        f"jax {jax.__version__}, {timed(reps)} interleaved repetitions.",
     ]
     for part in parts(quick, reps):
         sections += ["", part()]

@@ -509,7 +509,7 @@ def main(argv: Sequence[str]) -> None:
     def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
         examples = 256 if quick else 1024
         sizes = [16, 64] if quick else [16, 64, 256]
-        count = max(3, reps // 4)  # the per-example ways take a second or more a call
+        count = _timed(reps)
         out: list[Callable[[], str]] = [lambda: preamble(quick)]
         for make in (mlp_workload, cnn_workload, block_workload):
             out.append(lambda make=make: workload_table(make(examples), sizes, count))
@@ -528,7 +528,13 @@ def main(argv: Sequence[str]) -> None:
             )
         return out
 
-    report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts)
+    report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts, _timed)
+
+
+def _timed(reps: int) -> int:
+    """A quarter of the repetitions, at least 3: the per-example ways take a second or more
+    a call."""
+    return max(3, reps // 4)
 
 
 if __name__ == "__main__":

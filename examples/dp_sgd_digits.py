@@ -308,7 +308,7 @@ def main() -> None:
         f"time (quartiles of the paired ratios {ratios[0]:.2f}-{ratios[2]:.2f}x)"
     )
     print(
-        "  The time is against the whole batch in one pass; the README's 'as fast as a\n"
+        "  The time is against the whole batch in one pass; the README's 'about the speed of a\n"
         "  hand-written loop' compares with a loop over the same microbatches. Either loop adds\n"
         "  a fixed cost per microbatch (an iteration, its slices), which shows most on a step\n"
         "  of milliseconds like this one; the quartiles show how far a shared machine's load\n"

@@ -245,7 +245,7 @@ def test_mismatched_batch_sizes_name_the_users_parameters():
         return jnp.sum(x @ params) + jnp.sum(y)
 
     message = (
-        r"Batch arguments of two must have equal batch sizes, got \[6, 8\]: `x` axis 0 of "
+        r"Batch arguments of two must have equal batch sizes, got \[8, 6\]: `x` axis 0 of "
         r"shape \(8, 3\); `y` axis 0 of shape \(6,\). Fix the shapes, or the batch axes "
         r"\(batch_argnums=\(1, 2\)\)."
     )

@@ -120,7 +120,7 @@ def test_in_axes_not_a_prefix_of_the_argument():
 
 def test_unequal_batch_sizes_lists_every_argument():
     expected = (
-        r"Batch arguments of pair must have equal batch sizes, got \[6, 8\]: `x` axis 0 of shape \(8, 3\); "
+        r"Batch arguments of pair must have equal batch sizes, got \[8, 6\]: `x` axis 0 of shape \(8, 3\); "
         r"`y\['b'\]` axis 1 of shape \(2, 6\)"
     )
     with pytest.raises(ValueError, match=expected):

@@ -80,7 +80,7 @@ def _whole_grads(kind):
 
 
 @given(data=st.data())
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 def test_grad_through_microbatch_equals_the_whole_batch(data):
     kind = data.draw(st.sampled_from(list(AccumulationType)))
     size = data.draw(microbatch_sizes(X.shape[0]))

@@ -241,7 +241,7 @@ def test_the_built_function_refuses_batches_of_different_sizes():
     short = jax.ShapeDtypeStruct((BATCH // 2, 1), DTYPE)
     with pytest.raises(
         ValueError,
-        match=r"Batch arguments of _loss must have equal batch sizes, got \[32, 64\]",
+        match=r"Batch arguments of _loss must have equal batch sizes, got \[64, 32\]",
     ) as info:
         plan(_build, PARAMS, X, short, memory_budget=HUGE)
     assert info.value.__notes__ == [

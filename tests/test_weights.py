@@ -535,7 +535,7 @@ def test_bad_example_weights():
         mapped(x, example_weights=jnp.ones(8, jnp.complex64))
     with pytest.raises(
         ValueError,
-        match=r"must have equal batch sizes, got \[6, 8\]: `x` axis 0 of shape \(8, 3\); "
+        match=r"must have equal batch sizes, got \[8, 6\]: `x` axis 0 of shape \(8, 3\); "
         r"`example_weights` axis 0 of shape \(6,\)",
     ):
         micro_vmap(lambda x: x, microbatch_size=4)(x, example_weights=jnp.ones(6))

@@ -225,14 +225,14 @@ def _batch_size(
             f"call has a batch axis under {binding.set_by}; pass a batch argument, or give "
             "one an axis."
         )
-    sizes = {shape[ax] for _, ax, shape in found}
+    sizes = list(dict.fromkeys(shape[ax] for _, ax, shape in found))  # in the listing's order
     if len(sizes) > 1:
         listing = "; ".join(f"`{lab}` axis {ax} of shape {shape}" for lab, ax, shape in found)
         raise ValueError(
             f"Batch arguments of {binding.fun_name} must have equal batch sizes, got "
-            f"{sorted(sizes)}: {listing}. Fix the shapes, or the batch axes ({binding.set_by})."
+            f"{sizes}: {listing}. Fix the shapes, or the batch axes ({binding.set_by})."
         )
-    return sizes.pop()
+    return sizes[0]
 
 
 def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
