@@ -615,3 +615,34 @@ def test_clipping_on_an_explicit_mesh_with_a_bias_and_a_leaf_the_loss_never_read
     scale = jnp.minimum(1.0, 0.7 / norms)
     want = {k: jnp.tensordot(scale, g, axes=1) for k, g in grads.items()}
     assert_close(got, want, terms=16)
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+def test_nan_safe_ghost_clipping_inside_shard_map(method):
+    """Round 16 of the hostile tests: inside ``shard_map``, ``nan_safe`` on the ghost
+    methods failed in JAX ("pvary is a invariant->variant collective"): the derivative's
+    trace of the step took its branches on the shards' norms apart."""
+    x = np.array(random_array(5, (32, 3), jnp.float32))
+    y = random_array(6, (32, 2), jnp.float32)
+    x[9, 0] = np.nan
+    params = {"w": random_array(7, (3, 2), jnp.float32), "b": jnp.asarray([0.1, -0.2])}
+    fn = micro_grad(
+        _biased, batch_argnums=(1, 2), microbatch_size=2, l2_clip_norm=0.7, nan_safe=True,
+        clip_method=method,
+    )  # fmt: skip
+
+    def local(p, x, y):
+        return jax.lax.psum(fn(jax.lax.pcast(p, "data", to="varying"), x, y)[0], "data")
+
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)]
+        mapped = jax.shard_map(local, in_specs=(P(), P("data"), P("data")), out_specs=P())
+        got = jax.jit(mapped)(params, *placed)
+    keep = np.isfinite(x).all(axis=1)
+    one = lambda p, x, y: _biased(p, x[None], y[None])  # noqa: E731
+    grads = jax.vmap(jax.grad(one), (None, 0, 0))(params, x[keep], y[keep])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(g), -1) ** 2, axis=1) for g in grads.values()))
+    scale = jnp.minimum(1.0, 0.7 / norms)
+    want = {k: jnp.tensordot(scale, g, axes=1) for k, g in grads.items()}
+    assert_close(got, want, terms=32)

@@ -173,8 +173,11 @@ def data_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., 
     """``jax.lax.cond(pred, true_fun, false_fun)`` for a branch that only saves work (both
     sides give the same values where ``pred`` holds): ``cond`` inside
     ``transposable_branches``."""
-    if _TRANSPOSABLE.get():
+    if _TRANSPOSABLE.get() and not varying(jax.typeof(pred)):
         return cond(pred, true_fun, false_fun)
+    # A predicate that varies over ``shard_map``'s axes stays a ``lax.cond``: ``cond``'s
+    # guards would make what its branches hold vary where their programs, traced before,
+    # do not expect it (round 16).
     return jax.lax.cond(pred, true_fun, false_fun)
 
 
