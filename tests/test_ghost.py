@@ -781,22 +781,29 @@ def test_every_clip_method_gives_the_clipped_sum(method):
     assert report.method == ("ghost" if method == "auto" else method)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_an_infinite_gradient_entry_makes_its_leaf_nan_on_every_method(method):
+@pytest.mark.parametrize("weights", [None, "weights"])
+@pytest.mark.parametrize("method", [*METHODS, "statistics"])
+def test_an_infinite_gradient_entry_makes_its_leaf_nan_on_every_method(method, weights):
     """Round 15 of the hostile tests: an example whose gradient holds ``inf`` has norm
     ``inf`` and factor 0, and ``inf * 0`` is NaN on every method (``nan_safe`` is the
-    option that drops it); ``materialize`` alone dropped the example silently. A leaf
-    whose entries it keeps finite gets 0 from it."""
+    option that drops it); ``materialize`` alone dropped the example silently, and
+    (round 16) ``ghost`` with ``example_weights`` and ``statistics`` (``g**2``, and ``g``
+    with weights) too. A leaf whose entries it keeps finite gets 0 from it."""
     x = jnp.asarray([[1.0, 2.0], [jnp.inf, 1.0], [0.5, -1.0], [2.0, 0.0]])
     params = {"w": jnp.asarray([0.3]), "b": jnp.float32(0.1)}
     loss = lambda p, x: jnp.sum(jnp.tanh(x[:, 1:] @ p["w"]) + p["b"] * x[:, 0])  # noqa: E731
-    fn = micro_grad(loss, batch_argnums=1, microbatch_size=2, l2_clip_norm=1.0,
-                    clip_method=method)  # fmt: skip
-    got = jax.jit(fn)(params, x)[0]
-    assert np.isnan(np.asarray(got["b"]))
-    others = x[np.asarray([0, 2, 3])]
-    grads = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), (None, 0))(params, others)
-    assert_close(got["w"], clipped_sum(grads, 1.0)["w"], terms=4)
+    options: dict[str, Any] = {"clip_method": method}
+    if method == "statistics":
+        options["transform_fn"] = lambda g: (g, jax.tree.map(jnp.square, g))
+    fn = micro_grad(loss, batch_argnums=1, microbatch_size=2, l2_clip_norm=1.0, **options)
+    weighted = {} if weights is None else {"example_weights": jnp.asarray([1.0, 1.0, 0.5, 1.0])}
+    got = jax.jit(fn)(params, x, **weighted)[0]
+    sums = got if method == "statistics" else (got,)
+    assert all(np.isnan(np.asarray(s["b"])) for s in sums)
+    rows = np.asarray([0, 2, 3])
+    grads = jax.vmap(jax.grad(lambda p, x: loss(p, x[None])), (None, 0))(params, x[rows])
+    w = None if weights is None else weighted["example_weights"][rows]
+    assert_close(sums[0]["w"], clipped_sum(grads, 1.0, w)["w"], terms=4)
 
 
 def half_mlp() -> Model:

@@ -1092,10 +1092,13 @@ def clipped_sum(
     groups: Sequence[int],
     clean: bool,
     norms: jax.Array | None = None,
+    kept: jax.Array | None = None,
 ) -> list[Any]:
     """``sum_b scale[b, groups[leaf]] * g_b`` for every leaf: one product per site at
     the scaled cotangents (book-keeping). With ``clean``, rows of scale 0 contribute
-    exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``).
+    exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``), or
+    where ``kept`` (``(rows,)``) is given, the rows it leaves out (weight-0 rows alone:
+    without ``nan_safe`` an infinite gradient times its factor 0 is NaN, round 16).
 
     Given each example's ``norms`` (``(rows, leaves)``), a microbatch where a scaled
     cotangent may have lost to underflow more than ``GRAM_TOLERANCE`` of an example's
@@ -1103,6 +1106,8 @@ def clipped_sum(
     of the sites instead (``_per_example_sum``), inside the compiled loop."""
     total: list[Any] = [jnp.zeros_like(p) for p in params]
     keep = scale != 0 if clean else jnp.ones(scale.shape, bool)
+    if clean and kept is not None:
+        keep = jnp.broadcast_to(kept[:, None], scale.shape)
     for group in sorted(set(groups)):
         leaves = [leaf for leaf, g in enumerate(groups) if g == group]
         factor, kept = scale[:, group], keep[:, group]

@@ -558,9 +558,11 @@ def ghost(
         weights = given if given.dtype != jnp.bool_ else given.astype(scale.dtype)
         wide = jnp.promote_types(weights.dtype, scale.dtype)
         scale = jnp.where(given[:, None] != 0, scale.astype(wide) * weights[:, None], 0)
-    clean = given is not None or (clipping is not None and clipping.nan_safe)
+    drops = clipping is not None and clipping.nan_safe
+    clean = given is not None or drops
     checked = norms if sums.branches else None
-    total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked)
+    kept = None if drops or given is None else given != 0
+    total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked, kept)
     grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
     measured = _clipping.row_norms(norms, rows) if sums.norms_only else None
@@ -597,9 +599,10 @@ def statistics(
         weights, keep = jnp.ones((rows,), scale.dtype), jnp.ones((rows,), bool)
     else:
         weights, keep = given.astype(jnp.promote_types(given.dtype, scale.dtype)), given != 0
-    clean = given is not None or (clipping is not None and clipping.nan_safe)
+    drops = clipping is not None and clipping.nan_safe
+    clean = given is not None or drops
     checked = norms if sums.branches else None
-    each = _statistics.Rows(scale, groups, weights, keep, clean, checked)
+    each = _statistics.Rows(scale, groups, weights, keep, clean, checked, drops)
 
     def tree(leaves: list[Any]) -> PyTree:
         return split.gradient(example, leaves)

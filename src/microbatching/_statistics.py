@@ -485,6 +485,9 @@ class Rows:
         their data are not finite.
       norms: Each example's gradient norm per leaf ``(rows, leaves)`` where computed:
         the sums then check their cotangents for underflow (``_ghost.clipped_sum``).
+      drops: Whether a row of clip factor 0 is left out (``nan_safe``); otherwise its
+        gradient times 0 enters, NaN where the gradient is infinite, as on every
+        method (round 16).
     """
 
     scale: jax.Array
@@ -493,6 +496,12 @@ class Rows:
     keep: jax.Array
     clean: bool
     norms: jax.Array | None = None
+    drops: bool = False
+
+    def nonzero(self, clip: jax.Array) -> jax.Array:
+        """The rows whose terms enter by ``clip``: of factor other than 0 where ``drops``,
+        else all."""
+        return clip != 0 if self.drops else jnp.ones(clip.shape, bool)
 
     def clip(self, leaf: int) -> jax.Array:
         return self.scale[:, self.groups[leaf]]
@@ -521,8 +530,9 @@ def sums(
     if "linear" in forms:
         factor = rows.scale * rows.weights[:, None]
         factor = jnp.where(rows.keep[:, None], factor, 0) if rows.clean else factor
+        kept = None if rows.drops else rows.keep
         total = _ghost.clipped_sum(
-            program, params, seen, factor, rows.groups, rows.clean, rows.norms
+            program, params, seen, factor, rows.groups, rows.clean, rows.norms, kept
         )
         at_total = outputs(list(total))
         outs = [t if f == "linear" else o for t, f, o in zip(at_total, forms, outs, strict=True)]
@@ -572,7 +582,7 @@ def _factorised(
     assert leaf is not None and m is not None  # for the type checker: a factorised form
     k = program.rules[leaf].sites[0]
     clip = rows.clip(leaf)
-    nonzero = clip != 0
+    nonzero = rows.nonzero(clip)
 
     def scaled(d: jax.Array) -> jax.Array:
         c = _ghost.at_rows(clip, d).astype(d.dtype)
@@ -582,8 +592,8 @@ def _factorised(
     inputs[k] = [m(x) for x in seen.inputs[k]]
     cotangents[k] = [scaled(d) for d in seen.cotangents[k]]
     here = _ghost.Recorded(seen.outs, inputs, cotangents)
-    # Rows of factor 0 are left out (m(0) = 0), so that data that are not finite there
-    # cannot reach the sum: as the per-example path clips them to exact zeros.
+    # Under ``nan_safe`` rows of factor 0 are left out (m(0) = 0), so that data that are
+    # not finite there cannot reach the sum: as the per-example path drops them.
     kept = rows.keep & nonzero
     (product,) = _ghost.scaled_products(
         program, params, here, [leaf], [k], rows.weights, kept, clean=True
@@ -632,8 +642,9 @@ def _direct(
     def body(carry: list[Any], chunk: Any) -> tuple[list[Any], None]:
         inputs, cotangents, c, w, keep = chunk
         (g,) = jax.vmap(grads)(inputs, cotangents)
-        c = _ghost.at_rows(c, g)
-        g = jnp.where(c != 0, g * c.astype(g.dtype), jnp.zeros((), g.dtype))
+        g = g * _ghost.at_rows(c, g).astype(g.dtype)
+        if rows.drops:
+            g = jnp.where(_ghost.at_rows(c != 0, g), g, jnp.zeros((), g.dtype))
         ys = jax.vmap(picked)(g)
         new = []
         for total, y, (_, wide) in zip(carry, ys, dtypes, strict=True):
