@@ -151,6 +151,20 @@ def clipper(bound: float):
     return clip
 
 
+def clipped_grad_sum(loss, bound: float):
+    """``(w, x, weights=None) -> sum_b weights_b clip(grad loss(w, x_b))``, each example's
+    gradient clipped to global L2 norm ``bound``: a reference in plain JAX, differentiable
+    in ``w`` and ``weights``."""
+    clip = jax.vmap(clipper(bound))
+
+    def total(w, x, weights=None):
+        clipped = clip(jax.vmap(jax.grad(loss), (None, 0))(w, x))
+        weights = jnp.ones(len(x)) if weights is None else weights
+        return jax.tree.map(lambda g: jnp.tensordot(weights.astype(g.dtype), g, 1), clipped)
+
+    return total
+
+
 # --- per-example references for remainders, weights and extrema ------------------------
 
 ROWS_W = random_array(0, (3, 4), jnp.float32) / 2
