@@ -12,11 +12,11 @@ PYTEST := $(BIN)/pytest -n $(WORKERS) --dist worksteal --durations=15 --duration
 # benchmarks/xla_per_example_sum_repro.py reproduces at -O0. Plain `.venv/bin/pytest`
 # keeps the default level (docs/internals.md, "The suite's speed").
 #
-# Every run of the suite also keeps each process to one thread of its own for the math: XLA:CPU's
-# Eigen thread pool (--xla_cpu_multi_thread_eigen=false) and the BLAS under numpy. The
-# suite's programs are small and four processes share the 2 cores, so those pools only
-# wait on each other: on quiet cores `make test` took 8 min 28 s with them off against
-# 9 min 0 s with them on (user CPU 922 s against 980 s), every test green either way.
+# Every run of the suite also keeps each process to one thread for the arithmetic:
+# XLA:CPU's Eigen thread pool (--xla_cpu_multi_thread_eigen=false) and the BLAS under
+# numpy. The suite's programs are small and four processes share the 2 cores, so those
+# pools only wait on each other: on quiet cores `make test` took 8 min 28 s with them
+# off against 9 min 0 s with them on (user CPU 922 s against 980 s), all green either way.
 ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 QUICK_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false"
 # The tests that do not check a fact of the compiled program (marker `compiled`: temp bytes,
