@@ -1630,6 +1630,34 @@ def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error():
         )
 
 
+@pytest.mark.parametrize("method", ["ghost", "two_pass", "chunked"])
+def test_a_clip_method_without_clipping_or_norms_is_an_error(method):
+    """Found by a breaker: a method named without ``l2_clip_norm`` (the clip norm
+    forgotten) returned the plain, unclipped sum. With the norms asked for it runs, and
+    ``auto`` and ``materialize`` still take the plain sum."""
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    with pytest.raises(
+        ValueError,
+        match=rf"^micro_grad was given clip_method='{method}', which says how the clipped "
+        r"sum and the per-example norms are computed, but neither l2_clip_norm nor "
+        r"metrics_fn=microbatching\.l2_norm, so nothing would be clipped: the call would "
+        r"return the plain, unclipped sum\. Pass l2_clip_norm \(or "
+        r"metrics_fn=microbatching\.l2_norm\), or leave clip_method='auto'\.$",
+    ):
+        micro_grad(loss, clip_method=method)
+    w, x = jnp.ones((4, 2)), normal(np.random.default_rng(7), 4, 3, 4)
+    want = jax.grad(loss)(w, x)
+    for other in ("auto", "materialize"):
+        assert_close(micro_grad(loss, clip_method=other, microbatch_size=2)(w, x)[0], want)
+    got, aux = micro_grad(
+        loss, clip_method=method, metrics_fn=microbatching.l2_norm, microbatch_size=2
+    )(w, x)
+    assert_close(got, want)
+    norms = aux.metrics
+    per_example = jax.vmap(lambda x: jnp.linalg.norm(jax.grad(loss)(w, x)))(x)
+    assert_close(norms, per_example)
+
+
 def test_normalize_by_may_be_traced():
     w, x = jnp.ones((4, 2)), normal(np.random.default_rng(6), BATCH, 3, 4)
     loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731

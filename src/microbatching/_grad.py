@@ -126,7 +126,9 @@ def micro_grad(
         and in what they certify when a clip factor takes a cotangent below the
         dtype's smallest normal number. Only ``"materialize"`` bounds each example's
         contribution by the bound on every input; the DP guide's "What the library
-        guarantees" says what each of the others leaves:
+        guarantees" says what each of the others leaves. ``"ghost"``,
+        ``"two_pass"`` and ``"chunked"`` need ``l2_clip_norm`` or
+        ``metrics_fn=microbatching.l2_norm``, and refuse a call with neither:
 
         - ``"ghost"``: each parameter's per-example norm is read off the traced program
           of one example's loss, from the inputs and output cotangents of the layers

@@ -108,6 +108,15 @@ class Method:
                 "batched argnums needs each example's gradient; pass clip_method='auto' or "
                 "'materialize', or drop transform_fn and use SUM or MEAN."
             )
+        unclipped = clipping is None and request.metrics is _per_example.no_metrics
+        if name != "materialize" and unclipped:
+            raise ValueError(
+                f"micro_grad was given clip_method={name!r}, which says how the clipped "
+                "sum and the per-example norms are computed, but neither l2_clip_norm nor "
+                "metrics_fn=microbatching.l2_norm, so nothing would be clipped: the call "
+                "would return the plain, unclipped sum. Pass l2_clip_norm (or "
+                "metrics_fn=microbatching.l2_norm), or leave clip_method='auto'."
+            )
 
 
 def _plain(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
@@ -405,11 +414,9 @@ def plan(
     def not_linear() -> ValueError:
         return ValueError(_NOT_LINEAR.format(method=asked))
 
-    if request.clipping is None and sums.metrics is None:
+    if request.clipping is None and sums.metrics is None:  # auto or materialize (check)
         if asked != "materialize" and exact():
             return each(PLAIN, "unused", "no clipping and no norms", exact(True))
-        if asked in ("two_pass", "chunked"):
-            raise not_linear()
         why = _ASKED if asked == "materialize" else "the summed loss's gradient is not exact"
         return each(MATERIALIZE, "per-example", why)
     if asked == "materialize":
