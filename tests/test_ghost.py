@@ -1658,6 +1658,23 @@ def test_a_clip_method_without_clipping_or_norms_is_an_error(method):
     assert_close(norms, per_example)
 
 
+def test_the_gram_form_is_chosen_by_its_flops_and_what_it_writes():
+    """``_ghost._product_cost`` weighs each form's flops and ``GRAM_ENTRY_FLOPS`` for
+    each entry it writes: the benchmarks' sites, where the Gram form has as few flops or
+    fewer but measured slower, take the product; few wide rows keep the Gram form, up to
+    86 tokens of 512 features and not at 87 (the crossover of ``5248 T^2`` against
+    ``2**18 (T + 64)``); one row per example takes ``rows``."""
+    from microbatching import _ghost
+
+    def form(t: int, k: int, n: int) -> str:
+        return _ghost._product_cost(1, t, k, n)[0]
+
+    assert 64**2 * (128 + 512) < 64 * 128 * 512  # by flops alone, the Gram form
+    assert form(64, 128, 512) == form(64, 128, 128) == form(49, 288, 64) == "product"
+    assert [form(t, 512, 512) for t in (16, 86, 87)] == ["gram", "gram", "product"]
+    assert (form(4, 8, 8), form(16, 8, 8), form(1, 512, 512)) == ("gram", "product", "rows")
+
+
 def test_normalize_by_may_be_traced():
     w, x = jnp.ones((4, 2)), normal(np.random.default_rng(6), BATCH, 3, 4)
     loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731

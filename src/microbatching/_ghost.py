@@ -18,7 +18,8 @@ of the program. So:
   - ``dense``: the leaf reaches exactly one ``dot_general`` through shape-only steps
     (transpose, reshape, a same-dtype convert). Its gradient is ``A^T G`` (rows ``t``
     over the example's free dimensions), and ``||A^T G||^2`` is either the Gram form
-    ``sum_ts (a_t.a_s)(g_t.g_s)`` or the product itself, whichever takes fewer flops.
+    ``sum_ts (a_t.a_s)(g_t.g_s)`` or the product itself, whichever costs less:
+    flops, and what it writes (``GRAM_ENTRY_FLOPS``).
   - ``embedding``: the leaf is the table of one gather of rows: ``sum_ts [i_t = i_s]
     (g_t.g_s)``, or the scattered rows when the table is smaller than ``T^2``.
   - ``direct``: any other leaf (biases, norm scales, convolution kernels, tied or shared
@@ -511,16 +512,35 @@ def _gram_cost(program: Program, site: Site) -> tuple[str, str, int, int, int] |
     return None
 
 
+GRAM_ENTRY_FLOPS = 64
+"""What writing one entry of a norm's intermediates costs, in flops of its products, when
+``_product_cost`` chooses between the Gram and the product form: the Gram form writes
+``2 + blocks`` matrices of ``T x T`` per example (each block of ``GRAM_BLOCK`` entries
+is its own small product, then the error bound's passes), the product form one
+``K x N``. Calibrated on 2 CPU cores (jax 0.10.2) with ``benchmarks/clipping.py``,
+``clip_method="ghost"`` against a plain step, medians of 7 interleaved calls: on the tied
+transformer LM at 64 tokens, Gram forms at every dense site took 3.0x, product forms
+2.2x (by flops alone the Gram form is the cheaper or equal at each); on the transformer
+block at 32 tokens, 3.0x against 2.3x (2.8x with the MLP's two sites left to the Gram
+form, as a weight of 24 would); on the CNN at microbatch 64, 3.5x against 2.0x (its
+second convolution, 49 positions of 288 inputs). A weight of 64 gives the product form
+to each of these and keeps the Gram form where rows are few and wide (16 tokens of
+512 inputs and outputs: 1.3 against 21 Mflop). By flops alone, the Gram form was
+chosen wherever ``T^2 (K + N) <= T K N``."""
+
+
 def _product_cost(h: int, t: int, k: int, n: int) -> tuple[str, int, int, int]:
     """``(form, flops, entries, product entries)`` of the cheaper of the two forms of
-    ``_product_norm``."""
+    ``_product_norm``: flops, and ``GRAM_ENTRY_FLOPS`` for each entry of the
+    intermediates it writes (the rows themselves are read by both)."""
     rows = h * t * (k + n)
     product = rows + h * k * n
     if t == 1:
         return "rows", h * (k + n), rows, product
-    if t * t * (k + n) <= t * k * n:
-        blocks = sum(-(-d // GRAM_BLOCK) for d in (k, n) if d > GRAM_BLOCK)  # gram_matrices
-        return "gram", h * t * t * (k + n), rows + (2 + blocks) * h * t * t, product
+    blocks = sum(-(-d // GRAM_BLOCK) for d in (k, n) if d > GRAM_BLOCK)  # gram_matrices
+    gram_flops, written = h * t * t * (k + n), (2 + blocks) * h * t * t
+    if gram_flops + GRAM_ENTRY_FLOPS * written <= h * t * k * n + GRAM_ENTRY_FLOPS * h * k * n:
+        return "gram", gram_flops, rows + written, product
     return "product", h * t * k * n, product, product
 
 
