@@ -620,6 +620,48 @@ def test_a_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipped_gradi
     assert np.linalg.norm(got) <= clip * (1 + 1e-5)
 
 
+def _cancelling_cotangents_loss(p, x, s):
+    return jnp.sum((x @ p) * s)
+
+
+def _cancelling_cotangents_conv_loss(p, x, s):
+    y = jax.lax.conv_general_dilated(x, p, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))
+    return jnp.sum(y * s)
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost"])
+@pytest.mark.parametrize("rule", ["dense", "conv"])
+def test_a_clip_factor_that_pushes_a_data_row_below_tiny_takes_the_per_example_sum(
+    rule: str, method: Any
+):
+    """The example above with data and cotangents swapped, beside one of factor 1: where
+    a site's data has fewer entries than its cotangents the ghost sum scales the data
+    rows (``_ghost.scales_data``), and the data row ``1e-35`` that meets the cotangent
+    ``(-3e38, 0)`` is what the factor ``1e-3`` flushes. The bound counts the data's lost
+    entries against the cotangents' magnitudes, fails, and the microbatch's sum comes
+    from each example's gradient (counted the other way round, it held, and the example
+    entered at 3000 ``C``)."""
+    big, small = 3e38, 1e-35
+    v = float(np.float32(big) * np.float32(small))
+    x = np.asarray([[[1.0], [small]], [[1.0], [0.0]]], np.float32)  # one entry a row
+    s = np.asarray([[[v, 1.0], [-big, 0.0]], [[1e-4, 0.0], [0.0, 0.0]]], np.float32)
+    clip = 1e-3
+    w = jnp.full((1, 2) if rule == "dense" else (1, 1, 2), 1e-3, jnp.float32)
+    loss = _cancelling_cotangents_loss if rule == "dense" else _cancelling_cotangents_conv_loss
+    program = _ghost.analyse(lambda ps, ex: [loss(ps[0], *ex)], [w], [x[:1], s[:1]])
+    assert program is not None
+    seen = _ghost.record(program, [w], [jnp.asarray(x)[:, None], jnp.asarray(s)[:, None]])
+    linear = [k for k, site in enumerate(program.sites) if site.linear]
+    assert [_ghost.scales_data(program, seen, k) for k in linear] == [True]
+    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
+    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
+    want = 0.0
+    for b in range(2):
+        each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
+        want = want + each * min(1.0, clip / np.linalg.norm(each))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+
+
 def test_the_underflow_bound_keeps_book_keeping_where_it_holds_and_not_where_it_fails():
     """The bound (``_ghost.underflow_risk``) on one row of data ``x`` and a cotangent of
     ``1e-35`` that a factor of ``1e-3`` flushes: at data ``1e3`` the loss, at most ``tiny

@@ -1216,6 +1216,8 @@ def underflow_risk(
     ``factor`` in the model's dtype, may differ from ``factor`` times its gradient by
     more than ``GRAM_TOLERANCE`` of ``target`` (a lower bound of that scaled
     gradient's norm), ``(rows,)``. Scaling both by a power of two leaves the answer.
+    Where ``scales_data`` (the site's data rows times the factors, not its
+    cotangents), data and cotangents swap their roles below.
 
     Rounding in the normal range costs ``u`` relative per entry, as in the gradient
     itself. An entry ``c g`` below the dtype's smallest normal number ``tiny`` is
@@ -1238,16 +1240,20 @@ def underflow_risk(
     for k in sites:
         site = program.sites[k]
         name = program.eqns[site.eqn].primitive.name
+        # The side that scaled_products scales, and the other side's magnitudes.
+        scaled, other = seen.cotangents[k], seen.inputs[k]
+        if scales_data(program, seen, k):
+            scaled, other = other, scaled
         if not site.bounded:
             data = jnp.full((rows,), jnp.inf, wide)
         elif name in BILINEAR:
             data = jnp.zeros((rows,), wide)
-            for a in seen.inputs[k]:
+            for a in other:
                 data = data + jnp.sum(jnp.abs(jnp.reshape(a, (rows, -1))).astype(wide), axis=1)
         else:
             data = jnp.ones((rows,), wide)
         lost = jnp.zeros((rows,), wide)
-        for g in seen.cotangents[k]:
+        for g in scaled:
             tiny = jnp.finfo(jnp.result_type(g)).tiny
             flat = jnp.abs(jnp.reshape(g, (rows, -1))).astype(wide)
             under = (flat != 0) & (flat * c[:, None] < tiny)
@@ -1337,6 +1343,24 @@ def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -
     return [cleaned(v) for v in values]
 
 
+def scales_data(program: Program, seen: Recorded, k: int) -> bool:
+    """Whether ``scaled_products`` scales site ``k``'s data rows by the factors rather
+    than its output cotangents: at a ``BILINEAR`` site with one floating data input,
+    where the data has no more entries than the cotangents. The sum is the same (the
+    site's output is linear in its data); the multiplication is over fewer entries,
+    and on XLA:CPU a scaled cotangent that the weight gradient's product reads
+    transposed became a slow fused transposing copy (on the tied transformer LM of
+    ``benchmarks/clipping.py`` at 64 tokens, ghost took 2.2x a plain step with every
+    cotangent scaled, 1.9x so)."""
+    e = program.eqns[program.sites[k].eqn]
+    (data, cotangents) = seen.inputs[k], seen.cotangents[k]
+    if e.primitive.name not in BILINEAR or len(data) != 1:
+        return False
+    if not jnp.issubdtype(jnp.result_type(data[0]), jnp.inexact):
+        return False
+    return jnp.size(data[0]) <= sum(jnp.size(g) for g in cotangents)
+
+
 def scaled_products(
     program: Program,
     params: Sequence[Any],
@@ -1350,19 +1374,26 @@ def scaled_products(
     if not sites:
         return [jnp.zeros_like(params[leaf]) for leaf in leaves]
 
+    on_data = {k for k in sites if scales_data(program, seen, k)}
+
+    def data_of(k: int) -> list[Any]:
+        values = _cleaned(program, k, seen.inputs[k], keep) if clean else seen.inputs[k]
+        if k in on_data:
+            values = [v * at_rows(factor, v).astype(v.dtype) for v in values]
+        return values
+
     def outs_of(values: Sequence[Any]) -> list[Any]:
         env = _free_with(program, params, leaves, values)
         return [
-            jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(
-                _cleaned(program, k, seen.inputs[k], keep) if clean else seen.inputs[k]
-            )
+            jax.vmap(lambda a, s=program.sites[k]: _site_outputs(program, s, env, a))(data_of(k))
             for k in sites
         ]
 
     outs, pull = jax.vjp(outs_of, [params[leaf] for leaf in leaves])
 
-    def scaled(g: jax.Array, out: jax.Array) -> jax.Array:
-        g = g * at_rows(factor, g).astype(g.dtype)
+    def scaled(g: jax.Array, out: jax.Array, k: int) -> jax.Array:
+        if k not in on_data:
+            g = g * at_rows(factor, g).astype(g.dtype)
         g = jnp.where(at_rows(keep, g), g, jnp.zeros((), g.dtype)) if clean else g
         # On an Explicit mesh the recorded cotangent may be laid out otherwise than the
         # site's output (a tensor-parallel layer): the VJP wants the output's type.
@@ -1370,7 +1401,7 @@ def scaled_products(
         return g if sharding is None else jax.sharding.reshard(g, sharding)
 
     cotangents = [
-        [scaled(g, o) for g, o in zip(seen.cotangents[k], out, strict=True)]
+        [scaled(g, o, k) for g, o in zip(seen.cotangents[k], out, strict=True)]
         for k, out in zip(sites, outs, strict=True)
     ]
     found = pull(cotangents)[0]
