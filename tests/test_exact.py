@@ -312,6 +312,26 @@ def test_default_batch_argnums_warns_once_about_another_batch_argument():
     assert_close(got, want, terms=8)
 
 
+def test_argnums_taken_for_batch_argnums_warns_and_says_which_is_which():
+    """A new user's mix-up: ``argnums=(1, 2)`` meant as the batch. ``y`` is then
+    differentiated and passed whole; the warning says so and tells the two apart. A
+    parameter whose axis 0 matches the batch (``argnums`` left at 0) is no sign of it."""
+    y = random_array(1, (8,), jnp.float32)
+    with pytest.warns(
+        UserWarning,
+        match=r"but `y` \(argument 2, which argnums=\(1, 2\) differentiates\) also has 8 "
+        r"rows on axis 0 and is passed whole to every example\. If it holds one entry per "
+        r"example, pass batch_argnums=\(1, 2\); if it is meant whole, pass batch_argnums=1 "
+        r"to say so\. argnums names the arguments to differentiate, batch_argnums those "
+        r"split into examples\.$",
+    ):
+        micro_grad(_loss_xy, argnums=(1, 2), microbatch_size=4)(P, X, y)
+    tall = random_array(2, (8, 3), jnp.float32)  # 8 rows, as the batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        micro_grad(lambda p, x: jnp.sum(x @ p.T), microbatch_size=4)(tall, X)
+
+
 def test_a_warning_names_the_line_of_the_call_that_caused_it():
     """Found by a new user: warnings pointed into the library. Eager, or under ``jax.jit``
     (where JAX traces the step a few frames down), the warning is the caller's."""

@@ -307,6 +307,7 @@ class UnsplitBatchWarning:
 
     def __init__(self, axes: BatchAxes, argnums: tuple[int, ...], given: Any) -> None:
         self._axes, self._argnums = axes, argnums
+        self._given_argnums = argnums[0] if len(argnums) == 1 else argnums
         self._pending = given is DEFAULT_BATCH_ARGNUMS
 
     def check(self, args: tuple[Any, ...]) -> None:
@@ -316,20 +317,31 @@ class UnsplitBatchWarning:
         if len(rows) != 1:
             return
         size = rows.pop()
+        # A differentiated argument is looked at only where argnums also names the batch
+        # (argnums=(1, 2): argnums taken for batch_argnums); parameters whose axis 0
+        # happens to match the batch are otherwise no sign of a mix-up.
+        mixed_up = 1 in self._argnums
         for i, arg in enumerate(args):
-            if i == 1 or i in self._argnums:
+            if i == 1 or (i in self._argnums and not mixed_up):
                 continue
             if any(np.ndim(x) and np.shape(x)[0] == size for x in jax.tree.leaves(arg)):
                 self._pending = False
                 label, name = self._axes.label(i), self._axes.fun_name
+                role = (
+                    f"which argnums={self._given_argnums} differentiates"
+                    if i in self._argnums
+                    else ""
+                )
                 _checks.warn(
                     f"micro_grad({name}): batch_argnums was left at its default, 1, so only "
                     f"`{self._axes.label(1)}` is split into examples, but `{label}` "
-                    f"(argument {i}) also has {size} rows on axis 0 and is passed whole to "
-                    f"every example. If it holds one entry per example, pass "
-                    f"batch_argnums=(1, {i}); if it is meant whole, pass batch_argnums=1 "
-                    "to say so."
-                )
+                    f"(argument {i}{', ' + role if role else ''}) also has {size} rows on "
+                    f"axis 0 and is passed whole to every example. If it holds one entry "
+                    f"per example, pass batch_argnums=(1, {i}); if it is meant whole, pass "
+                    "batch_argnums=1 to say so."
+                    + (" argnums names the arguments to differentiate, batch_argnums those "
+                       "split into examples." if role else "")
+                )  # fmt: skip
                 return
 
 
