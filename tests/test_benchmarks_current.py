@@ -5,7 +5,7 @@ the stamp of the run that wrote it (``benchmarks/_provenance.py``): the command,
 commit, the library's version and a SHA-256 of the sources the figures depend on. A file
 whose recorded hash differs from the hash of the sources now is stale: a change to the
 library or to the script since the run. The remedy is ``make bench``, which reruns every
-script (40 to 80 minutes on 2 cores).
+script (20 to 80 minutes on 2 cores).
 
 The figures that README.md and the docs quote in the results' own form, a ratio with its
 quartiles (``1.00x [0.98, 1.02]``), must appear verbatim in a results file; on README.md
