@@ -823,6 +823,28 @@ def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
 
 
+@pytest.mark.parametrize("shape", [(1, 4), (8, 1)], ids=["data-scaled", "cotangent-scaled"])
+def test_a_large_weight_does_not_flush_another_examples_factor(shape: tuple[int, int]):
+    """Found by a breaker (round 18): beside an example of weight ``2**60``, an example
+    of gradient norm ``2e20`` (factor ``5e-21``, a normal number) was dropped by ghost
+    and auto: dividing the microbatch's factors by the power of two above the largest
+    took its factor below ``tiny``, where it was flushed to 0, and a factor of 0 reads as
+    an example left out. Such a microbatch now takes the per-example sum."""
+    w = jnp.ones(shape, jnp.float32)
+    x = jnp.full((2, 1, shape[0]), 1.0, jnp.float32) * jnp.asarray([1e-15, 1e10])[:, None, None]
+    y = jnp.ones((2, 1, shape[1]), jnp.float32) * jnp.asarray([1e-15, 1e10])[:, None, None]
+    weights = jnp.asarray([2.0**60, 1.0], jnp.float32)
+    want = 0.0
+    for b in range(2):
+        each = np.asarray(jax.grad(_cancelling_cotangents_loss)(w, x[b], y[b]), np.float64)
+        want = want + float(weights[b]) * each * min(1.0, 1.0 / np.linalg.norm(each))
+    for method in ("auto", "ghost"):
+        fn = micro_grad(_cancelling_cotangents_loss, batch_argnums=(1, 2), l2_clip_norm=1.0,
+                        clip_method=method)  # fmt: skip
+        got = np.asarray(jax.jit(fn)(w, x, y, example_weights=weights)[0], np.float64)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=method)
+
+
 def _largest_entry(g: Any) -> jax.Array:
     """A ``metrics_fn`` that reads the gradients (``l2_norm`` would not)."""
     return jnp.max(jnp.abs(g))

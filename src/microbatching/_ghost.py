@@ -1175,7 +1175,11 @@ def _linear_sum(
     if norms is None:
         return book_keeping()
     target = jnp.abs(unit) * jnp.max(norms[:, leaves], axis=1)
-    risky = underflow_risk(program, seen, sites, unit, target)
+    # A factor that the division by the largest takes below tiny (a weight far above 1
+    # beside a factor far below it: 2**60 beside 5e-21) would enter as 0, or as a few
+    # bits, though its own value is a normal number: the per-example sum takes it as it is.
+    flushed = (factor != 0) & (jnp.abs(unit) < jnp.finfo(unit.dtype).tiny)
+    risky = underflow_risk(program, seen, sites, unit, target) | flushed
     return _sharding.data_cond(
         jnp.any(risky),
         lambda: _per_example_sum(program, params, seen, leaves, sites, factor, kept, 1),
