@@ -1675,6 +1675,28 @@ def test_the_gram_form_is_chosen_by_its_flops_and_what_it_writes():
     assert (form(4, 8, 8), form(16, 8, 8), form(1, 512, 512)) == ("gram", "product", "rows")
 
 
+def test_the_clip_factors_scale_the_data_rows_only_where_they_have_no_more_entries():
+    """``_ghost.scales_data``: at a dense site of ``T x k`` data rows and ``T x n``
+    output cotangents, the data rows up to ``k = n`` and not at ``k = n + 1``; the
+    clipped sum equals per-example clipping on both sides of the boundary."""
+    from microbatching import _ghost
+
+    rng = np.random.default_rng(8)
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    for k, scaled in ((3, True), (4, False)):
+        w, x = normal(rng, k, 3), normal(rng, 4, 2, k)
+        program = _ghost.analyse(lambda ps, ex: [loss(ps[0], *ex)], [w], [x[0]])
+        assert program is not None
+        seen = _ghost.record(program, [w], [x])
+        sites = [j for j, site in enumerate(program.sites) if site.linear]
+        assert [_ghost.scales_data(program, seen, j) for j in sites] == [scaled]
+        got = micro_grad(loss, l2_clip_norm=0.5, clip_method="ghost", microbatch_size=2)(w, x)
+        each = jax.vmap(jax.grad(loss), (None, 0))(w, x)
+        norms = jnp.sqrt(jnp.sum(each**2, axis=(1, 2)))
+        want = jnp.sum(each * jnp.minimum(1.0, 0.5 / norms)[:, None, None], axis=0)
+        assert_close(got[0], want, terms=4)
+
+
 def test_normalize_by_may_be_traced():
     w, x = jnp.ones((4, 2)), normal(np.random.default_rng(6), BATCH, 3, 4)
     loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
