@@ -620,6 +620,19 @@ def test_a_clip_factor_that_pushes_a_cotangent_below_tiny_adds_the_clipped_gradi
     assert np.linalg.norm(got) <= clip * (1 + 1e-5)
 
 
+def _assert_each_example_clipped(loss, w, x, s, clip: float, method: Any) -> None:
+    """``micro_grad``'s clipped sum of the examples of ``x`` and ``s`` (batch arguments 1
+    and 2) by ``method`` against each example's float32 gradient, clipped and summed in
+    float64; the tolerance is the gradients' own rounding of the terms that cancel."""
+    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
+    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
+    want = 0.0
+    for b in range(len(x)):
+        each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
+        want = want + each * min(1.0, clip / np.linalg.norm(each))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+
+
 def _cancelling_cotangents_loss(p, x, s):
     return jnp.sum((x @ p) * s)
 
@@ -653,13 +666,7 @@ def test_a_clip_factor_that_pushes_a_data_row_below_tiny_takes_the_per_example_s
     seen = _ghost.record(program, [w], [jnp.asarray(x)[:, None], jnp.asarray(s)[:, None]])
     linear = [k for k, site in enumerate(program.sites) if site.linear]
     assert [_ghost.scales_data(program, seen, k) for k in linear] == [True]
-    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
-    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
-    want = 0.0
-    for b in range(2):
-        each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
-        want = want + each * min(1.0, clip / np.linalg.norm(each))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+    _assert_each_example_clipped(loss, w, x, s, clip, method)
 
 
 def test_the_underflow_bound_keeps_book_keeping_where_it_holds_and_not_where_it_fails():
@@ -814,13 +821,7 @@ def test_beside_an_unclipped_example_the_underflowing_one_takes_the_per_example_
     clip = 1e-3
     w = jnp.full((2, 1) if rule == "dense" else (1, 2, 1), 1e-3, jnp.float32)
     loss = _first_column_loss if rule == "dense" else _first_channel_conv_loss
-    fn = micro_grad(loss, batch_argnums=(1, 2), l2_clip_norm=clip, clip_method=method)
-    got = np.asarray(jax.jit(fn)(w, jnp.asarray(x), jnp.asarray(s))[0], np.float64).ravel()
-    want = 0.0
-    for b in range(2):
-        each = np.asarray(jax.grad(loss)(w, x[b : b + 1], s[b : b + 1]), np.float64).ravel()
-        want = want + each * min(1.0, clip / np.linalg.norm(each))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=3000 * clip * 2.0**-23)
+    _assert_each_example_clipped(loss, w, x, s, clip, method)
 
 
 @pytest.mark.parametrize("shape", [(1, 4), (8, 1)], ids=["data-scaled", "cotangent-scaled"])
