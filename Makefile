@@ -18,7 +18,8 @@ PYTEST := $(BIN)/pytest -n $(WORKERS) --dist worksteal --durations=15 --duration
 # pools only wait on each other: on quiet cores `make test` took 8 min 28 s with them
 # off against 9 min 0 s with them on (user CPU 922 s against 980 s), all green either way.
 ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-QUICK_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false"
+QUICK_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false
+QUICK_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(QUICK_FLAGS)"
 # The tests that do not check a fact of the compiled program (marker `compiled`: temp bytes,
 # the HLO) are also compiled with XLA:CPU's legacy emitters, which take about half the
 # compile time. Results agree up to float rounding, but some compiled facts move (bf16
@@ -30,7 +31,7 @@ QUICK_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimizatio
 # small programs), so they take one part. The split decides only which module a kernel is
 # compiled in: the HLO, the buffers and each kernel's code are the same. (At the default
 # emitters of the `compiled` tests it made no difference.)
-FAST_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1 --xla_cpu_multi_thread_eigen=false"
+FAST_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(QUICK_FLAGS) --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 
 # The files that hold a test marked `compiled` or `x64`: the runs of those tests collect
 # only these (collecting every file takes about 9 s of CPU, 4.7 s for these). A mark
