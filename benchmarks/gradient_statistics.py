@@ -1,7 +1,9 @@
 """Per-example gradient statistics: ``transform_fn`` read off its traced program against
 forming every per-example gradient.
 
-On the MLP 784-512-512-10 (ReLU, biases; batch 1024, microbatch 64), each way computes
+On the MLP 784-512-512-10 (ReLU, biases; batch 1024, microbatch 64) and on the tied
+transformer LM of ``clipping.py`` (64 tokens, batch 256, microbatch 64; 256 tokens,
+batch 64, microbatch 16; a third of the repetitions), each way computes
 the mean over the batch of a function of each example's gradient, ``(g, g**2)`` (the
 first two moments: the API reference's own example) and ``jnp.sign`` (per-example
 signSGD), and the per-example dot product ``<g_b, V>`` with a fixed direction as
@@ -29,8 +31,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from accumulation import Fn, loss, mlp, ms, ratio, report  # benchmarks/ is on sys.path
-from clipping import OPTAX, Warm, interleaved, optax_mb, relative_error, warm_up
+from accumulation import Fn, ms, ratio, report  # benchmarks/ is on sys.path
+from clipping import (
+    OPTAX,
+    Warm,
+    Workload,
+    interleaved,
+    mlp_workload,
+    optax_mb,
+    relative_error,
+    tied_lm_workload,
+    warm_up,
+)
 
 import microbatching as mb
 
@@ -74,15 +86,15 @@ def with_metrics(fn: Fn) -> Fn:
     return both
 
 
-def vmap_then(transform: Callable[[Any], Any], v: Any = None) -> Fn:
+def vmap_then(w: Workload, transform: Callable[[Any], Any], v: Any = None) -> Fn:
     """``vmap(grad)`` over the whole batch, then ``transform`` and the mean (or, with a
     direction ``v``, each example's dot product with it)."""
 
-    def one(params: Any, x: jax.Array, y: jax.Array) -> Any:
-        return jax.grad(loss)(params, x[None], y[None])
+    def one(params: Any, *example: jax.Array) -> Any:
+        return jax.grad(w.loss)(params, *(e[None] for e in example))
 
-    def whole(params: Any, x: jax.Array, y: jax.Array) -> Any:
-        grads = jax.vmap(one, in_axes=(None, 0, 0))(params, x, y)
+    def whole(params: Any, *batch: jax.Array) -> Any:
+        grads = jax.vmap(one, in_axes=(None, *[0] * len(batch)))(params, *batch)
         if v is not None:
             summed = jax.tree.map(lambda t: jnp.sum(t, axis=0), grads)
             return summed, jax.vmap(lambda g: dot(g, v))(grads)
@@ -96,31 +108,34 @@ def dot(g: Any, v: Any) -> jax.Array:
     return jnp.sum(jnp.stack([jnp.vdot(a, b) for a, b in pairs]))
 
 
-def ways(name: str, size: int, params: Any) -> dict[str, Fn]:
+def ways(name: str, size: int, w: Workload) -> dict[str, Fn]:
     """Every way of one statistic, the baseline first."""
-    options: dict[str, Any] = {"batch_argnums": (1, 2), "microbatch_size": size}
-    out: dict[str, Fn] = {PLAIN: first(mb.micro_grad(loss, accumulator=MEAN, **options))}
+    options: dict[str, Any] = {"batch_argnums": w.batch_argnums, "microbatch_size": size}
+    out: dict[str, Fn] = {PLAIN: first(mb.micro_grad(w.loss, accumulator=MEAN, **options))}
     if name == "metrics":
-        v = direction(params)
+        v = direction(w.params)
         metric = lambda g: dot(g, v)  # noqa: E731
         for method in ("auto", "materialize"):
-            fn = mb.micro_grad(loss, metrics_fn=metric, clip_method=method, **options)
+            fn = mb.micro_grad(w.loss, metrics_fn=metric, clip_method=method, **options)
             out[f"`micro_grad` {method}"] = with_metrics(fn)
-        out[VMAP] = vmap_then(lambda g: g, v)
+        out[VMAP] = vmap_then(w, lambda g: g, v)
         return out
     transform = moments if name == "moments" else sign
     for method in ("auto", "materialize"):
         fn = mb.micro_grad(
-            loss, accumulator=MEAN, transform_fn=transform, clip_method=method, **options
+            w.loss, accumulator=MEAN, transform_fn=transform, clip_method=method, **options
         )
         out[f"`micro_grad` {method}"] = first(fn)
     if optax_mb is not None and OPTAX is not None:
         kind = optax_mb.AccumulationType.MEAN
-        fn = optax_mb.micro_grad(loss, accumulator=kind, transform_fn=transform, **options)
+        fn = optax_mb.micro_grad(w.loss, accumulator=kind, transform_fn=transform, **options)
         out[OPTAX] = first(fn)
-    out[VMAP] = vmap_then(transform)
+    out[VMAP] = vmap_then(w, transform)
     return out
 
+
+LM_SHAPES = ((64, 256, 64), (256, 64, 16))
+"""The tied transformer LM's (tokens, batch, microbatch), as in ``clipping.py``."""
 
 TITLES = {
     "moments": "`transform_fn=lambda g: (g, g**2)`, MEAN",
@@ -129,34 +144,22 @@ TITLES = {
 }
 
 
-def table(name: str, examples: int, size: int, reps: int) -> str:
+def table(name: str, w: Workload, size: int, reps: int) -> str:
     start = time.perf_counter()
-    params = mlp([784, 512, 512, 10])
-    k1, k2 = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(k1, (examples, 784))
-    y = jax.random.randint(k2, (examples,), 0, 10)
-    args = (params, x, y)
-    fns = ways(name, size, params)
+    args = w.args
+    fns = ways(name, size, w)
     if name == "metrics":
-        reported = mb.micro_grad(
-            loss,
-            batch_argnums=(1, 2),
-            microbatch_size=size,
-            accumulator=MEAN,
-            metrics_fn=lambda g: dot(g, direction(params)),
-        )
+        statistic: dict[str, Any] = {"metrics_fn": lambda g: dot(g, direction(w.params))}
     else:
-        reported = mb.micro_grad(
-            loss,
-            batch_argnums=(1, 2),
-            microbatch_size=size,
-            accumulator=MEAN,
-            transform_fn=moments if name == "moments" else sign,
-        )
-    report_of = mb.clipping_report(
-        reported,
-        *args,
+        statistic = {"transform_fn": moments if name == "moments" else sign}
+    reported = mb.micro_grad(
+        w.loss,
+        batch_argnums=w.batch_argnums,
+        microbatch_size=size,
+        accumulator=MEAN,
+        **statistic,
     )
+    report_of = mb.clipping_report(reported, *args)
     print(f"{TITLES[name]}: clipping_report\n{report_of}\n", flush=True)
     warm: dict[str, Warm] = {n: warm_up(fn, args) for n, fn in fns.items()}
     errors = [
@@ -164,19 +167,19 @@ def table(name: str, examples: int, size: int, reps: int) -> str:
         for n in warm
         if n not in (PLAIN, VMAP)
     ]
-    timed = {n: w.compiled for n, w in warm.items() if w.first_s <= LIMIT_S or n == PLAIN}
+    timed = {n: x.compiled for n, x in warm.items() if x.first_s <= LIMIT_S or n == PLAIN}
     seconds = interleaved(timed, args, reps)
     rows = []
-    for n, w in warm.items():
+    for n, x in warm.items():
         if n in timed:
             cells = f"{ms(seconds[n])} | {ratio(seconds[n], seconds[PLAIN])}"
         else:
-            cells = f"skipped: over {LIMIT_S:.0f} s per call ({w.first_s:.1f} s) | "
-        rows.append(f"| {n} | {w.temp_mib:.1f} | {cells} |")
+            cells = f"skipped: over {LIMIT_S:.0f} s per call ({x.first_s:.1f} s) | "
+        rows.append(f"| {n} | {x.temp_mib:.1f} | {cells} |")
     worst, where = max(errors)
     return "\n".join(
         [
-            f"**{TITLES[name]}**; MLP 784-512-512-10, batch {examples}, microbatch {size}, "
+            f"**{TITLES[name]}**; {w.name}, batch {w.batch[0].shape[0]}, microbatch {size}, "
             f"float32, {reps} repetitions. `clipping_report` of `micro_grad` auto: method "
             f"`{report_of.method}` ({report_of.reason}).",
             "",
@@ -209,7 +212,16 @@ def main(argv: Sequence[str]) -> None:
         examples = 256 if quick else 1024
         out: list[Callable[[], str]] = [lambda: preamble(quick)]
         for name in TITLES:
-            out.append(lambda name=name: table(name, examples, 64, reps))
+            out.append(lambda name=name: table(name, mlp_workload(examples), 64, reps))
+        # The transformer's steps are ten times the MLP's: fewer repetitions.
+        lm_reps = max(3, reps // 3)
+        for tokens, batch, size in LM_SHAPES[:1] if quick else LM_SHAPES:
+            for name in TITLES:
+                out.append(
+                    lambda name=name, t=tokens, b=batch, s=size: table(
+                        name, tied_lm_workload(b, t), s, lm_reps
+                    )
+                )
         return out
 
     report(argv, "gradient_statistics.py", "Per-example gradient statistics", RESULTS, parts)

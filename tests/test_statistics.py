@@ -392,6 +392,59 @@ def test_the_statistics_form_no_per_example_gradients():
     assert statistics < per_example / 4, (statistics, materialize)
 
 
+def _eqns(jaxpr: Any) -> Any:
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (loops, branches, calls)."""
+    for e in jaxpr.eqns:
+        yield e
+        for value in e.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize(
+    ("options", "sums"),
+    [
+        ({"transform_fn": tree(jnp.sign), "clip_method": "statistics"}, 1),
+        ({"transform_fn": MOMENTS, "clip_method": "materialize"}, 3),
+        ({"l2_clip_norm": 1.0, "clip_method": "materialize", "accumulator": SUM}, 1),
+    ],
+    ids=["statistics direct", "materialize moments", "materialize clipped"],
+)
+def test_the_rows_are_summed_by_one_contraction_at_highest_precision(options, sums):
+    """Where per-example gradients are formed, their sum over the rows is a contraction
+    with the rows' weights at HIGHEST precision (``_layout.weighted_rows``), never a
+    reduction: XLA:CPU runs a fused multiply and reduction over the leading axis ten times
+    slower, and a default-precision dot may round float32 to TF32 or bf16 elsewhere."""
+    model = attention()
+    fn = micro_grad(
+        model.loss, batch_argnums=(1, 2), microbatch_size=MICROBATCH,
+        keep_batch_dim=model.keep_batch_dim, **{"accumulator": MEAN, **options},
+    )  # fmt: skip
+    eqns = list(_eqns(jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr))
+    kernel = (MICROBATCH, 6, 6)  # one microbatch of one kernel's per-example gradients
+    over_rows = [
+        e
+        for e in eqns
+        if e.primitive.name == "reduce_sum"
+        and e.invars[0].aval.shape == kernel
+        and 0 in e.params["axes"]
+    ]
+    assert not over_rows
+    contractions = [
+        e
+        for e in eqns
+        if e.primitive.name == "dot_general"
+        and e.invars[1].aval.shape == kernel
+        and e.params["dimension_numbers"][0] == ((0,), (0,))
+    ]
+    # query, key, value and out, once per output leaf of each
+    assert len(contractions) == 4 * sums, len(contractions)
+    for e in contractions:
+        assert e.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2, e.params["precision"]
+
+
 # --- 6. the reading: forms of functions nobody here wrote --------------------------------
 
 SHAPES = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)}

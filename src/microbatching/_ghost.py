@@ -48,7 +48,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from . import _clipping, _programs, _sharding
+from . import _clipping, _layout, _programs, _sharding
 
 INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
 """Calls whose body is read as part of the program, so that sites inside them are found."""
@@ -1304,7 +1304,7 @@ def _per_example_sum(
         for g in jax.vmap(grads)(inputs, cotangents):
             wide = jnp.promote_types(g.dtype, jnp.float32)
             g = jnp.where(at_rows(k, g), g, jnp.zeros((), g.dtype)).astype(wide)
-            out.append(jnp.tensordot(w.astype(wide), g, 1))
+            out.append(_layout.weighted_rows(w.astype(wide), g))
         return out
 
     def step(carry: list[Any], x: Any) -> tuple[list[Any], None]:

@@ -427,16 +427,16 @@ def explicit(
         wide = _accumulators.accumulation_dtype(g.dtype, sums.requested)
         shape = (rows,) + (1,) * (g.ndim - 1)
         g = _layout.rows_apart(g)  # see there: XLA:CPU sums such rows wrongly
-        terms = g.astype(wide) * jnp.reshape(scale, shape).astype(wide)
+        terms = g.astype(wide)
         # Selected, so that a NaN of a row that ``nan_safe`` drops (factor 0) or of a
         # weight-0 row cannot leak. Otherwise an infinite gradient times its factor 0 is
         # NaN, as on the other methods (round 15: it was dropped here alone).
-        drop = jnp.reshape(scale == 0, shape) if dropping else None
+        drop = scale == 0 if dropping else None
         if keep is not None:
-            drop = ~jnp.reshape(keep, shape) if drop is None else drop | ~jnp.reshape(keep, shape)
+            drop = ~keep if drop is None else drop | ~keep
         if drop is not None:
-            terms = jnp.where(drop, jnp.zeros((), wide), terms)
-        return _layout.Open(jnp.sum(terms, axis=0), g.dtype)
+            terms = jnp.where(jnp.reshape(drop, shape), jnp.zeros((), wide), terms)
+        return _layout.Open(_layout.weighted_rows(scale.astype(wide), terms), g.dtype)
 
     out = Aux(values, measured, aux)
     if keep is not None:

@@ -648,9 +648,9 @@ def _direct(
         ys = jax.vmap(picked)(g)
         new = []
         for total, y, (_, wide) in zip(carry, ys, dtypes, strict=True):
-            terms = y.astype(wide) * _ghost.at_rows(w, y).astype(wide)
-            terms = jnp.where(_ghost.at_rows(keep, y), terms, jnp.zeros((), wide))
-            new.append(total + jnp.sum(terms, axis=0))
+            terms = jnp.where(_ghost.at_rows(keep, y), y.astype(wide), jnp.zeros((), wide))
+            weights = jnp.where(keep, w, 0).astype(wide)
+            new.append(total + _layout.weighted_rows(weights, terms))
         return new, None
 
     start = [jnp.zeros(s, wide) for s, (_, wide) in zip(shapes, dtypes, strict=True)]
