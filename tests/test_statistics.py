@@ -130,15 +130,38 @@ def test_every_form_against_vmap_grad(model):
     assert_close(aux.values, values)
     found = forms(report)
     assert found["transform_fn[7]"] == "constant"
-    assert all(found[f"transform_fn[0]{p}"] == "linear" for p in model.rules or {})
     for path, rule in (model.rules or {}).items():
         square, sign = found[f"transform_fn[1]{path}"], found[f"transform_fn[3]{path}"]
-        assert found[f"transform_fn[6]{path}"] == "linear"  # cumsum
+        # linear, but beside the leaf's direct outputs: from the same per-example gradients
+        assert found[f"transform_fn[0]{path}"] == "direct"  # the gradient
+        assert found[f"transform_fn[6]{path}"] == "direct"  # cumsum
         assert found[f"transform_fn[4]{path}"] == "direct"  # a sum of terms
         assert found[f"transform_fn[5]{path}"] == "direct"  # tanh
         leaf = next(leaf for leaf in report.leaves if leaf.path == path)
         one_row = rule == "dense" and leaf.form == "rows"
         assert (square, sign) == (("factorised",) * 2 if one_row else ("direct",) * 2), path
+
+
+def global_sum(g: Any) -> Any:
+    """Linear, and mixes the leaves."""
+    return sum(jnp.sum(x) for x in jax.tree.leaves(g))
+
+
+def test_linear_outputs_come_from_the_sum_unless_their_leaf_is_read_directly(model):
+    """``(g, cumsum(g))`` alone: both from the (clipped) sum. Beside ``tanh(g)``, each
+    leaf's linear outputs come from the per-example gradients that ``tanh`` forms, and
+    an output that mixes leaves still from the sum; each against ``vmap(grad)``."""
+    linear = lambda g: (g, tree(jnp.cumsum)(g))  # noqa: E731
+    found = forms(microbatching.clipping_report(grad_fn(model, linear), model.params, *model.batch))
+    assert set(found.values()) == {"linear"}, found
+    beside = lambda g: (g, tree(jnp.tanh)(g), global_sum(g))  # noqa: E731
+    fn = grad_fn(model, beside)
+    found = forms(microbatching.clipping_report(fn, model.params, *model.batch))
+    assert found["transform_fn[2]"] == "linear"
+    for path in model.rules or {}:
+        assert found[f"transform_fn[0]{path}"] == "direct", found
+    got, _ = jax.jit(fn)(model.params, *model.batch)
+    assert_close(got, reference(per_example_grads(model), beside), terms=2, factor=4)
 
 
 def test_mlp_kernels_take_the_factorised_form_jitted_or_not():
@@ -543,8 +566,11 @@ def test_a_read_monomial_is_the_function_and_multiplicative(ops, seed):
     m = value.monomial
     assert m is not None and value.coefficient == 1.0
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(3, 2)) * 1.5, jnp.float32).at[0, 0].set(0.0)
-    y = jnp.asarray(rng.normal(size=(3, 2)) * 1.5, jnp.float32)
+    # Up to four cubes make x**81: below 1.7 in magnitude, x**81 and (x y)**81 stay
+    # finite in float32 (seed 65535 overflowed one side and not the other).
+    x = jnp.asarray(np.clip(rng.normal(size=(3, 2)) * 1.5, -1.7, 1.7), jnp.float32)
+    x = x.at[0, 0].set(0.0)
+    y = jnp.asarray(np.clip(rng.normal(size=(3, 2)) * 1.5, -1.7, 1.7), jnp.float32)
     assert_close(m(x), fn(x), factor=4)
     assert_close(m(x * y), m(x) * m(y), factor=8)
     assert float(m(jnp.ones(()))) == 1.0
@@ -605,9 +631,12 @@ def test_auto_takes_the_cheaper_of_the_two():
         grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
     )
     assert report.method == "statistics" and "flops per example against" in report.reason
-    model = attention()  # every leaf's sites hold 5 rows: each moment is read directly
+    # Every leaf's sites hold 5 rows: each square is read directly, and the sum that
+    # mixes the leaves needs the sum of the gradients besides.
+    model = attention()
+    both = lambda g: (global_sum(g), tree(jnp.square)(g))  # noqa: E731
     report = microbatching.clipping_report(
-        grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
+        grad_fn(model, both, clip_method="auto"), model.params, *model.batch
     )
     assert report.method == "materialize"
     assert "forming the per-example gradients costs less" in report.reason

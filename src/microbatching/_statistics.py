@@ -311,7 +311,8 @@ class Statistic:
     Attributes:
       path: The output leaf, e.g. ``[1]['kernel']``.
       form: ``constant``, ``linear``, ``factorised`` or ``direct`` (see the module).
-      leaf: For ``factorised`` and ``direct``, the gradient leaf it reads.
+      leaf: For ``factorised`` and ``direct``, the gradient leaf it reads; for
+        ``linear``, the one leaf it reads, where it reads one.
       monomial: For ``factorised``, ``m`` of ``C * m(g)``.
       why: Why it takes its form, in words.
       coefficient: For ``factorised``, ``C`` where it is a Python scalar; None where it
@@ -381,6 +382,7 @@ def read(
                 f"{_unread(value)}"
             )
         outputs.append(statistic)
+    outputs = _beside_direct(outputs)
     metric_outputs: list[Statistic] = []
     if metrics is not None and not norms:
         found, _, mshape = _read_values(metrics, grads)
@@ -400,6 +402,24 @@ def read(
     return Reading(transform, tuple(outputs), metrics, tuple(metric_outputs), norms)
 
 
+def _beside_direct(outputs: list[Statistic]) -> list[Statistic]:
+    """``outputs`` with each linear output of one leaf that other outputs read directly
+    taken the direct way too: its sum ``sum_b w_b f(c_b g_b)`` then comes from the
+    per-example gradients that the leaf forms anyway, where the clipped sum would take
+    one more product per site (``(g, g**2)`` at a sequence: the gradient beside its
+    square)."""
+    direct = {s.leaf for s in outputs if s.form == "direct"}
+    return [
+        dataclasses.replace(s, form="direct", why=_BESIDE)
+        if s.form == "linear" and s.leaf is not None and s.leaf in direct
+        else s
+        for s in outputs
+    ]
+
+
+_BESIDE = "linear in the gradient: from its leaf's per-example gradients, read for another output"
+
+
 def _unread(value: _Value) -> str:
     if -1 in value.deps:
         return "it goes through an operation that is neither elementwise nor linear"
@@ -417,7 +437,8 @@ def _form(path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any]) 
     if -1 in value.deps:
         return None
     if value.linear:
-        return Statistic(path, "linear", why="linear in the gradient: from the clipped sum")
+        (leaf,) = value.deps if len(value.deps) == 1 else (None,)
+        return Statistic(path, "linear", leaf, why="linear in the gradient: from the clipped sum")
     if not value.elementwise:
         return None
     (leaf,) = value.deps
