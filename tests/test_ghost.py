@@ -573,6 +573,115 @@ def shapes_in(jaxpr: Any) -> set[tuple[int, ...]]:
     return found
 
 
+def _eqns_and_branch(jaxpr: Any, in_branch: bool = False) -> Any:
+    """Every equation of ``jaxpr`` and its inner jaxprs, with whether it lies inside a
+    ``cond``'s branch."""
+    for eqn in jaxpr.eqns:
+        yield eqn, in_branch
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns_and_branch(inner, in_branch or eqn.primitive.name == "cond")
+
+
+@pytest.mark.parametrize("make", [mlp, conv])
+def test_the_power_of_two_multiplies_the_clipped_sum_after_the_branch(make):
+    """The clipped sum is taken at the factors over their power of two, then multiplied by
+    it: after the branch between book-keeping and the per-example sum, where XLA fuses
+    the multiplications into the accumulator's addition, not inside it, where each was a
+    pass of its own over a parameter-sized sum."""
+    model = make()
+    fn = grad_fn(model, l2_clip_norm=CLIP, clip_method="ghost")
+    jaxpr = jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr
+    params = {tuple(jnp.shape(p)) for p in jax.tree.leaves(model.params)}
+    in_branch = [
+        e.outvars[0].aval.shape
+        for e, branch in _eqns_and_branch(jaxpr)
+        if branch and e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) in params
+    ]
+    after = [
+        e
+        for e, branch in _eqns_and_branch(jaxpr)
+        if not branch and e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) in params
+    ]
+    assert not in_branch, in_branch
+    assert after
+
+
+def test_dense_rows_are_normed_as_they_are_unless_a_square_may_be_lost():
+    """The norms of dense rows (``x_b`` and ``g_b`` of a layer without a sequence axis)
+    are taken from the rows as they are: no largest-magnitude pass over the rows outside
+    a branch. The scaled form runs in a branch, for a chunk where a sum of squares is out
+    of the safe range (``tests/test_norm_numerics.py`` takes it there)."""
+    model = mlp()
+    fn = grad_fn(model, l2_clip_norm=CLIP, clip_method="ghost")
+    jaxpr = jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr
+    over_rows = [
+        e.invars[0].aval.shape
+        for e, branch in _eqns_and_branch(jaxpr)
+        if not branch and e.primitive.name == "reduce_max" and e.invars[0].aval.ndim == 4
+    ]
+    assert not over_rows, over_rows
+    branched = [
+        e
+        for e, branch in _eqns_and_branch(jaxpr)
+        if branch and e.primitive.name == "reduce_max" and e.invars[0].aval.ndim >= 3
+    ]
+    assert branched
+
+
+def _one_leaf(form: str) -> tuple[Callable[..., Any], Any, Any]:
+    """A loss of one leaf whose norm takes ``form``: dense ``rows`` (no sequence axis) or
+    a convolution's ``product`` over 8 positions; its parameters; and 6 examples."""
+    rng = np.random.default_rng(7)
+    if form == "rows":
+        params = {"w": normal(rng, 5, 3)}
+        x = rng.normal(size=(6, 5))
+
+        def loss(p, x):
+            return jnp.sum(jnp.tanh(x @ p["w"]))
+
+        return loss, params, x
+    params = {"w": normal(rng, 3, 4, 5, scale=0.5)}  # WIO
+    x = rng.normal(size=(6, 8, 4))
+
+    def conv_loss(p, x):
+        out = jax.lax.conv_general_dilated(  # x: (8, 4), or a batch of one
+            jnp.reshape(x, (-1, 8, 4)),
+            p["w"],
+            (1,),
+            "SAME",
+            dimension_numbers=("NWC", "WIO", "NWC"),
+        )
+        return jnp.sum(jnp.tanh(out))
+
+    return conv_loss, params, x
+
+
+@pytest.mark.parametrize("form", ["rows", "product"])
+@pytest.mark.parametrize("scale", [1e-30, 0.0], ids=["tiny", "zero"])
+def test_an_example_outside_the_safe_range_takes_the_scaled_norms(form, scale):
+    """One example's data scaled so far down that its squares underflow in float32, or
+    set to 0, beside ordinary ones: its chunk's norms come from the scaled rows, or (0)
+    as they are, and every norm matches that of ``vmap(grad)``'s gradients squared in
+    float64 (their entries, near ``1e-30``, are normal float32 numbers; squares are not)."""
+    loss, params, x = _one_leaf(form)
+    x[1] *= scale
+    x = jnp.asarray(x, jnp.float32)
+    fn = micro_grad(
+        loss, batch_argnums=1, microbatch_size=3, metrics_fn=microbatching.l2_norm,
+        clip_method="ghost", l2_clip_norm=CLIP,
+    )  # fmt: skip
+    report = microbatching.clipping_report(fn, params, x)
+    assert [leaf.form for leaf in report.leaves] == [form], str(report)
+    _, aux = fn(params, x)
+    grads = np.asarray(jax.vmap(jax.grad(loss), (None, 0))(params, x)["w"], np.float64)
+    expected = np.sqrt(np.sum(grads.reshape(len(grads), -1) ** 2, axis=1))
+    assert (0 < expected[1] < 1e-25) if scale else expected[1] == 0, expected
+    np.testing.assert_allclose(np.asarray(aux.metrics), expected, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("method", ["auto", "materialize"])
 def test_ghost_method_forms_no_per_example_kernel_gradient(method):
     """A ``dense`` kernel's gradient exists only summed over examples: nothing holds a

@@ -907,9 +907,63 @@ def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
         return norm(program, site, *pair, gram=False)[0]
 
     pairs = (seen.inputs[k], seen.cotangents[k])
+    if rule.form != "gram" and rule.name in ROWS:
+        return _by_chunks(
+            lambda chunk: _unscaled(program, rule, chunk), pairs, _chunk_rows(rule.bytes)
+        )
     if rule.form != "gram":
         return jax.lax.map(product, pairs, batch_size=_chunk_rows(rule.bytes))
     return _by_chunks(lambda chunk: _checked(program, rule, chunk), pairs, _chunk_rows(rule.bytes))
+
+
+def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
+    """A ``product`` or ``rows`` rule's norms of a chunk of examples, from its rows as
+    they are, where every example's sum of squares lies in ``[SAFE_LOW * tiny, max /
+    SAFE_HIGH]`` (or the example's rows on one side are all 0, and its gradient exactly
+    0); otherwise, for the whole chunk, from rows scaled by powers of two (``_balanced``),
+    in a branch.
+
+    In that range no square or partial sum overflowed, and what underflow took is far
+    below ``u``: each square lost is below ``tiny``, at most ``n 2**-66`` of the sum over
+    ``n`` squares; each product ``x g`` lost to an entry of ``x^T g`` is below ``tiny``,
+    at most ``T sqrt(K N) tiny`` of the product's norm, which is at least ``2**33
+    sqrt(tiny)``. A product that overflowed is ``inf`` or NaN, outside the range. The
+    scaled form costs a largest-magnitude pass over every row and a multiplication per
+    entry (on the MLP of ``benchmarks/clipping.py``, a fifth of a ghost step's thunks)."""
+    site, norm = program.sites[rule.sites[0]], GRAM_NORMS[rule.name]
+    xs, gs = jax.vmap(lambda x, g: ROWS[rule.name](program, site, x, g))(*chunk)
+    info = jnp.finfo(xs.dtype)
+    low, high = _clipping.SAFE_LOW * info.tiny, info.max / _clipping.SAFE_HIGH
+
+    def fits(squares: jax.Array) -> jax.Array:
+        return (squares >= low) & (squares <= high)
+
+    def zero(rows: jax.Array) -> jax.Array:
+        return jnp.all(rows == 0, axis=tuple(range(2, rows.ndim)))
+
+    _, h, t, _ = xs.shape
+    if t == 1:  # per shared entry h, ||x_h|| ||g_h||
+        sx, sg = (jnp.sum(jnp.square(v), axis=(2, 3)) for v in (xs, gs))
+        fine = fits(sx) & fits(sg)
+        each = _clipping.sqrt(sx) * _clipping.sqrt(sg)
+        norms = each[:, 0] if h == 1 else _clipping.mapped_row_norms(each, each.shape[0])
+    else:
+        product = jnp.einsum("bhtk,bhtn->bhkn", xs, gs, precision=HIGHEST)
+        squares = jnp.sum(jnp.square(product), axis=(1, 2, 3))
+        fine = fits(squares)[:, None]
+        norms = _clipping.sqrt(squares)
+
+    def scaled() -> jax.Array:
+        found = jax.vmap(lambda x, g: norm(program, site, x, g, gram=False)[0])(*chunk)
+        return found.astype(norms.dtype)
+
+    def with_zeros() -> jax.Array:
+        # A gradient that is exactly 0 (a row of weight 0: its cotangents are 0) is
+        # taken as it is: every product is 0, so every square, and nothing was lost.
+        exact = fine | zero(xs) | zero(gs)
+        return _sharding.data_cond(jnp.all(exact), lambda: norms, scaled)
+
+    return _sharding.data_cond(jnp.all(fine), lambda: norms, with_zeros)
 
 
 def _chunk_rows(per_example: int) -> int:
@@ -1168,23 +1222,28 @@ def _linear_sum(
     ``norms`` are given and ``underflow_risk`` says that may lose too much."""
     unit, power = to_unit(factor)
 
-    def book_keeping() -> list[Any]:
-        found = scaled_products(program, params, seen, leaves, sites, unit, kept, clean)
-        return [times_both(g, power) for g in found]
+    def book_keeping() -> tuple[list[Any], jax.Array]:
+        return scaled_products(program, params, seen, leaves, sites, unit, kept, clean), power
+
+    def per_example() -> tuple[list[Any], jax.Array]:
+        found = _per_example_sum(program, params, seen, leaves, sites, factor, kept, 1)
+        return found, jnp.ones_like(power)
 
     if norms is None:
-        return book_keeping()
+        found, ups = book_keeping()
+        return [times_both(g, ups) for g in found]
     target = jnp.abs(unit) * jnp.max(norms[:, leaves], axis=1)
     # A factor that the division by the largest takes below tiny (a weight far above 1
     # beside a factor far below it: 2**60 beside 5e-21) would enter as 0, or as a few
     # bits, though its own value is a normal number: the per-example sum takes it as it is.
     flushed = (factor != 0) & (jnp.abs(unit) < jnp.finfo(unit.dtype).tiny)
     risky = underflow_risk(program, seen, sites, unit, target) | flushed
-    return _sharding.data_cond(
-        jnp.any(risky),
-        lambda: _per_example_sum(program, params, seen, leaves, sites, factor, kept, 1),
-        book_keeping,
-    )
+    # The power of two is applied after the branch (by 1 after the per-example sum):
+    # outside it, XLA fuses the two multiplications of a weight-sized sum into the
+    # accumulator's addition; inside, each was a pass of its own over the sum (on the
+    # MLP of ``benchmarks/clipping.py`` at microbatch 16, 6.6 of 62 ms a step).
+    found, ups = _sharding.data_cond(jnp.any(risky), per_example, book_keeping)
+    return [times_both(g, ups) for g in found]
 
 
 def to_unit(factors: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -1616,6 +1675,14 @@ def _conv_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """One example's norm of a convolution's kernel gradient: the product of the input
     patches (``T x K``) and the output cotangents (``T x N``)."""
+    return _product_norm(*_conv_rows(program, site, inputs, cotangents), gram)
+
+
+def _conv_rows(
+    program: Program, site: Site, inputs: Sequence[Any], cotangents: Sequence[Any]
+) -> tuple[jax.Array, jax.Array]:
+    """One example's rows ``(1, T, K)`` and ``(1, T, N)`` of a convolution's kernel
+    gradient: its input patches and output cotangents, at least float32."""
     e = program.eqns[site.eqn]
     (x,), (g,) = inputs, cotangents
     numbers = e.params["dimension_numbers"]
@@ -1650,7 +1717,7 @@ def _conv_norm(
     order = (numbers.out_spec[0], *numbers.out_spec[2:], numbers.out_spec[1])
     xs = patches.reshape(1, t, k).astype(wide)
     gs = jnp.transpose(g, order).reshape(1, t, n).astype(wide)
-    return _product_norm(xs, gs, gram)
+    return xs, gs
 
 
 def _embedding_norm(
@@ -1680,3 +1747,6 @@ def _embedding_norm(
 
 GRAM_NORMS = {"dense": _dense_norm, "conv": _conv_norm, "embedding": _embedding_norm}
 """The rules that read a leaf's norm off its one site's inputs and output cotangents."""
+
+ROWS = {"dense": _dense_rows, "conv": _conv_rows}
+"""The rules whose gradient is a product of two sides' rows, and how each reads them."""
