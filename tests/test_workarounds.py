@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun, jaxprs_in_params
 
-from microbatching import _convs, _layout, _workarounds, micro_grad
+from microbatching import _convs, _layout, _squeeze, _workarounds, micro_grad
 
 from .strategies import assert_close
 
@@ -149,6 +149,82 @@ def test_a_convolution_gradient_in_a_loop_keeps_its_order_where_the_gate_applies
     labels = set(re.findall(r"convolution\(.*dim_labels=([\w>-]+)", text))
     other = {label for label in labels if label != "b01f_01io->b01f"}
     assert bool(other) == _workarounds.CONV_ORDER.applies(), labels
+
+
+def _reductions(jaxpr):
+    """The operand shapes of every reduction of ``jaxpr``, its inner jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("reduce_sum", "reduce_max", "reduce_min"):
+            found.append(tuple(eqn.invars[0].aval.shape))
+        for sub in jaxprs_in_params(eqn.params):
+            found += _reductions(sub)
+    return found
+
+
+def test_reductions_lose_their_unit_dimensions_only_where_the_gate_applies(monkeypatch):
+    """Sums, maxima and minima of arrays with dimensions of size 1, at the top and inside
+    a jitted function and a scan, over unit and other axes: the same values either way."""
+
+    def fun(x, y):
+        inner = jax.jit(lambda x: jnp.max(x, axis=(1, 3)))(x)
+        scanned = jax.lax.scan(lambda c, r: (c + jnp.min(r, axis=2), None), y[0, :, :, 0], y)[0]
+        return jnp.sum(x * 2, axis=2), jnp.sum(x, axis=1), inner, scanned, jnp.sum(y)
+
+    args = (
+        jnp.arange(2 * 1 * 3 * 4, dtype=jnp.float32).reshape(2, 1, 3, 4),
+        jnp.arange(5 * 1 * 3 * 2, dtype=jnp.float32).reshape(5, 1, 3, 2) % 7,
+    )
+    program = jax.make_jaxpr(fun)(*args)
+    assert any(1 in shape for shape in _reductions(program.jaxpr))
+    rewritten = _squeeze.squeezed(program)
+    assert (rewritten is not program) == _workarounds.UNIT_REDUCE.applies()
+    if _workarounds.UNIT_REDUCE.applies():
+        assert not [s for s in _reductions(rewritten.jaxpr) if 1 in s], _reductions(rewritten.jaxpr)
+    got, want = jaxpr_as_fun(rewritten)(*args), jaxpr_as_fun(program)(*args)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)  # small integers: exact in any order
+    without(monkeypatch, "UNIT_REDUCE")
+    assert _squeeze.squeezed(program) is program
+
+
+def test_a_per_example_gradient_in_the_loop_reduces_no_unit_dimension_where_the_gate_applies():
+    """A loss written for a batch (``keep_batch_dim``), its per-example gradients formed
+    (``clip_method='materialize'``): where the gate applies no reduction of the loop body
+    reads an array with a dimension of size 1, and the clipped sum matches the one
+    computed without the rewrite."""
+
+    def loss(p, x):
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        h = (x - mean) * p["scale"][None, None]
+        return jnp.sum(jnp.tanh(h @ p["w"]))
+
+    params = {"scale": jnp.linspace(0.5, 1.5, 6), "w": jnp.linspace(-1.0, 1.0, 24).reshape(6, 4)}
+    x = jnp.sin(jnp.arange(8 * 5 * 6, dtype=jnp.float32)).reshape(8, 5, 6)
+    fn = micro_grad(loss, batch_argnums=1, microbatch_size=4, l2_clip_norm=0.5,
+                    clip_method="materialize")  # fmt: skip
+    jaxpr = jax.make_jaxpr(fn)(params, x).jaxpr
+    unit = [s for s in _reductions(jaxpr) if 1 in s and len(s) > 1]
+    assert bool(unit) != _workarounds.UNIT_REDUCE.applies(), unit
+    per_example = jax.vmap(jax.grad(loss), (None, 0))(params, x[:, None])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(8, -1) ** 2, 1) for g in jax.tree.leaves(per_example)))
+    factors = jnp.minimum(1.0, 0.5 / norms)
+    expected = jax.tree.map(lambda g: jnp.tensordot(factors, g, 1), per_example)
+    assert_close(fn(params, x)[0], expected)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measured on XLA:CPU")
+def test_a_reduction_with_a_unit_dimension_goes_to_ynnpack_where_the_gate_applies():
+    """The fault itself, read off the compiled program: XLA:CPU hands the fused multiply
+    and sum of a ``(64, 1, 64, 128)`` array, dimension of size 1 kept, to YNNPACK (where
+    it runs about ten times slower than the same sum reshaped without it:
+    ``benchmarks/xla_unit_dim_reduce_repro.py``)."""
+    x = jax.ShapeDtypeStruct((64, 1, 64, 128), jnp.float32)
+    text = str(jax.jit(lambda x, g: jnp.sum(x * g, axis=2)).lower(x, x).compile().as_text())
+    kept = re.search(r"reduce\(.*dimensions=\{2\}", text) is not None
+    ynn = "__ynn_fusion" in text
+    assert (kept and ynn) == _workarounds.UNIT_REDUCE.applies(), text[:2000]
 
 
 def test_bfloat16_batches_are_read_as_bits_only_where_the_gate_applies(monkeypatch):

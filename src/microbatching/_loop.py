@@ -29,6 +29,7 @@ from . import (
     _progress,
     _remat,
     _sharding,
+    _squeeze,
 )
 from ._batch import Batch
 from ._signature import BatchAxes
@@ -311,7 +312,7 @@ def _trace(body: Function, loop: Loop) -> Programs:
             if _mutates_outer_state(err):
                 err.add_note(STATE_HINT)
             raise
-        return _convs.canonical(program), shapes
+        return _squeeze.squeezed(_convs.canonical(program)), shapes
 
     main, shapes = traced(
         [

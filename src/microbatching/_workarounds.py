@@ -13,6 +13,7 @@ that fixes one fails there, loudly, until ``fixed_in`` says so.
 | ``PER_EXAMPLE_SUM`` | cpu | 0.10.2 | ``_layout.rows_apart`` | rows written out, then summed |
 | ``CONV_ORDER`` | cpu | 0.10.2 | ``_convs.canonical`` | transposes around convolutions |
 | ``BF16_BITS`` | cpu | 0.10.2 | ``_layout.reads_bits`` | a uint16 copy of the batch |
+| ``UNIT_REDUCE`` | cpu | 0.10.2 | ``_squeeze.squeezed`` | two reshapes (bitcasts) per reduction |
 
 Not gated, because they are not about one backend: the barrier of
 ``_ghost.gram_matrices`` (XLA's algebraic simplifier folds a sum of blocked Gram
@@ -81,4 +82,12 @@ BF16_BITS = Workaround(
     None,
     "a bfloat16 read inside a loop becomes a float32 copy of the whole batch before it "
     "(XLA:CPU converts every bfloat16 operand): tests/test_memory.py",
+)
+UNIT_REDUCE = Workaround(
+    "cpu",
+    ("0.10.2",),
+    None,
+    "a reduction of an array with a dimension of size 1 (a per-example array of a batch of "
+    "one, mapped) runs in YNNPACK about 10x slower than without that dimension: "
+    "benchmarks/xla_unit_dim_reduce_repro.py",
 )
