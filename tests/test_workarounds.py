@@ -185,6 +185,8 @@ def test_reductions_lose_their_unit_dimensions_only_where_the_gate_applies(monke
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a, b)  # small integers: exact in any order
+    plain = jax.make_jaxpr(lambda x: jnp.sum(x, axis=0))(jnp.ones((3, 4)))
+    assert _squeeze.squeezed(plain) is plain  # nothing to rewrite: the same program
     without(monkeypatch, "UNIT_REDUCE")
     assert _squeeze.squeezed(program) is program
 

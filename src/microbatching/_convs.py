@@ -39,14 +39,12 @@ import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import (
     ClosedJaxpr,
-    Jaxpr,
     JaxprEqn,
     Var,
-    jaxprs_in_params,
     new_jaxpr_eqn,
 )
 
-from . import _workarounds
+from . import _programs, _workarounds
 
 _CONV = jax.lax.conv_general_dilated_p
 _TRANSPOSE = jax.lax.transpose_p
@@ -55,42 +53,17 @@ _TRANSPOSE = jax.lax.transpose_p
 def canonical(program: ClosedJaxpr) -> ClosedJaxpr:
     """``program`` with its convolutions, at any depth, in Eigen's order and with
     derivatives in Eigen's order, where ``_workarounds.CONV_ORDER`` applies (XLA:CPU)."""
-    if not _workarounds.CONV_ORDER.applies() or not _has_work(program.jaxpr):
+    if not _workarounds.CONV_ORDER.applies():
         return program
-    return ClosedJaxpr(_rewrite(program.jaxpr), program.consts)
+    return _programs.rewritten(program, _replacement)
 
 
-def _has_work(jaxpr: Jaxpr) -> bool:
-    return any(_needs_rewrite(eqn) or _takes_rule(eqn) for eqn in jaxpr.eqns) or any(
-        _has_work(sub) for eqn in jaxpr.eqns for sub in jaxprs_in_params(eqn.params)
-    )
-
-
-def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
-    eqns: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
-        if _takes_rule(eqn) and (spliced := _with_rule(eqn)) is not None:
-            eqns.extend(spliced)
-        elif _needs_rewrite(eqn):
-            eqns.extend(_reordered(eqn) or [eqn])
-        elif any(_has_work(sub) for sub in jaxprs_in_params(eqn.params)):
-            eqns.append(eqn.replace(params=_rewrite_params(eqn.params)))
-        else:
-            eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns)
-
-
-def _rewrite_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Sub-programs keep their inputs and outputs, so any primitive takes them back."""
-
-    def one(v: Any) -> Any:
-        if isinstance(v, ClosedJaxpr):
-            return ClosedJaxpr(_rewrite(v.jaxpr), v.consts)
-        return _rewrite(v) if isinstance(v, Jaxpr) else v
-
-    return {
-        k: tuple(one(x) for x in v) if isinstance(v, tuple) else one(v) for k, v in params.items()
-    }
+def _replacement(eqn: JaxprEqn) -> list[JaxprEqn] | None:
+    if _takes_rule(eqn) and (spliced := _with_rule(eqn)) is not None:
+        return spliced
+    if _needs_rewrite(eqn):
+        return _reordered(eqn) or [eqn]
+    return None
 
 
 def _needs_rewrite(eqn: JaxprEqn) -> bool:

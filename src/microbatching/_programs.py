@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 UNUSED_WHEN_NOT_DIFFERENTIATED = {
     "custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
@@ -159,3 +159,48 @@ def _jaxprs(value: Any) -> Iterator[Jaxpr]:
     elif isinstance(value, tuple | list):
         for v in value:
             yield from _jaxprs(v)
+
+
+Replacement = Callable[[JaxprEqn], "list[JaxprEqn] | None"]
+"""The equations to put in an equation's place, or None to keep it (and look inside it)."""
+
+
+def rewritten(program: ClosedJaxpr, replace: Replacement) -> ClosedJaxpr:
+    """``program`` with each equation, at any depth, that ``replace`` gives equations for
+    replaced by them; ``program`` itself where it gives none. A replacement must take the
+    equation's inputs to its outputs, of the same types: a sub-program then keeps its
+    inputs and outputs, and any primitive takes it back."""
+    jaxpr = _rewritten(program.jaxpr, replace)
+    return program if jaxpr is None else ClosedJaxpr(jaxpr, program.consts)
+
+
+def _rewritten(jaxpr: Jaxpr, replace: Replacement) -> Jaxpr | None:
+    eqns: list[JaxprEqn] = []
+    changed = False
+    for eqn in jaxpr.eqns:
+        if (new := replace(eqn)) is not None:
+            eqns.extend(new)
+            changed = True
+        elif (params := _rewritten_params(eqn.params, replace)) is not None:
+            eqns.append(eqn.replace(params=params))
+            changed = True
+        else:
+            eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns) if changed else None
+
+
+def _rewritten_params(params: dict[str, Any], replace: Replacement) -> dict[str, Any] | None:
+    changed = False
+
+    def one(v: Any) -> Any:
+        nonlocal changed
+        inner = v.jaxpr if isinstance(v, ClosedJaxpr) else v
+        if not isinstance(inner, Jaxpr) or (new := _rewritten(inner, replace)) is None:
+            return v
+        changed = True
+        return ClosedJaxpr(new, v.consts) if isinstance(v, ClosedJaxpr) else new
+
+    out = {
+        k: tuple(one(x) for x in v) if isinstance(v, tuple) else one(v) for k, v in params.items()
+    }
+    return out if changed else None

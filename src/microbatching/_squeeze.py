@@ -19,12 +19,10 @@ reductions as through any other primitives.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxprs_in_params, new_jaxpr_eqn
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
-from . import _workarounds
+from . import _programs, _workarounds
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
 _RESHAPE = jax.lax.reshape_p
@@ -33,40 +31,13 @@ _RESHAPE = jax.lax.reshape_p
 def squeezed(program: ClosedJaxpr) -> ClosedJaxpr:
     """``program`` with its reductions of arrays with dimensions of size 1, at any depth,
     taken without those dimensions, where ``_workarounds.UNIT_REDUCE`` applies."""
-    if not _workarounds.UNIT_REDUCE.applies() or not _has_work(program.jaxpr):
+    if not _workarounds.UNIT_REDUCE.applies():
         return program
-    return ClosedJaxpr(_rewrite(program.jaxpr), program.consts)
+    return _programs.rewritten(program, _replacement)
 
 
-def _has_work(jaxpr: Jaxpr) -> bool:
-    return any(_needs_rewrite(eqn) for eqn in jaxpr.eqns) or any(
-        _has_work(sub) for eqn in jaxpr.eqns for sub in jaxprs_in_params(eqn.params)
-    )
-
-
-def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
-    eqns: list[JaxprEqn] = []
-    for eqn in jaxpr.eqns:
-        if _needs_rewrite(eqn):
-            eqns.extend(_without_units(eqn) or [eqn])
-        elif any(_has_work(sub) for sub in jaxprs_in_params(eqn.params)):
-            eqns.append(eqn.replace(params=_rewrite_params(eqn.params)))
-        else:
-            eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns)
-
-
-def _rewrite_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Sub-programs keep their inputs and outputs, so any primitive takes them back."""
-
-    def one(v: Any) -> Any:
-        if isinstance(v, ClosedJaxpr):
-            return ClosedJaxpr(_rewrite(v.jaxpr), v.consts)
-        return _rewrite(v) if isinstance(v, Jaxpr) else v
-
-    return {
-        k: tuple(one(x) for x in v) if isinstance(v, tuple) else one(v) for k, v in params.items()
-    }
+def _replacement(eqn: JaxprEqn) -> list[JaxprEqn] | None:
+    return _without_units(eqn) if _needs_rewrite(eqn) else None
 
 
 def _needs_rewrite(eqn: JaxprEqn) -> bool:
