@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
+from jax.extend.core import jaxprs_in_params
 
 from microbatching import AccumulationType
 
@@ -247,3 +248,12 @@ def clipped_sin_sum(w, x, bound):
     norms = np.linalg.norm(grads.reshape(len(grads), -1), axis=1)
     factors = np.minimum(1.0, bound / norms)
     return np.sum(grads * factors[:, None], axis=0)
+
+
+def equations(jaxpr: Any, in_branch: bool = False) -> Any:
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (loops, branches, calls),
+    each with whether it lies inside a ``cond``'s branch."""
+    for eqn in jaxpr.eqns:
+        yield eqn, in_branch
+        for inner in jaxprs_in_params(eqn.params):
+            yield from equations(inner, in_branch or eqn.primitive.name == "cond")

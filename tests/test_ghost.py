@@ -16,7 +16,7 @@ import pytest
 import microbatching
 from microbatching import AccumulationType, _workarounds, micro_grad
 
-from .strategies import assert_close, mesh
+from .strategies import assert_close, equations, mesh
 
 BATCH = 8
 MICROBATCH = 4
@@ -573,18 +573,6 @@ def shapes_in(jaxpr: Any) -> set[tuple[int, ...]]:
     return found
 
 
-def _eqns_and_branch(jaxpr: Any, in_branch: bool = False) -> Any:
-    """Every equation of ``jaxpr`` and its inner jaxprs, with whether it lies inside a
-    ``cond``'s branch."""
-    for eqn in jaxpr.eqns:
-        yield eqn, in_branch
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(inner, "jaxpr", inner)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns_and_branch(inner, in_branch or eqn.primitive.name == "cond")
-
-
 @pytest.mark.parametrize("make", [mlp, conv])
 def test_the_power_of_two_multiplies_the_clipped_sum_after_the_branch(make):
     """The clipped sum is taken at the factors over their power of two, then multiplied by
@@ -597,12 +585,12 @@ def test_the_power_of_two_multiplies_the_clipped_sum_after_the_branch(make):
     params = {tuple(jnp.shape(p)) for p in jax.tree.leaves(model.params)}
     in_branch = [
         e.outvars[0].aval.shape
-        for e, branch in _eqns_and_branch(jaxpr)
+        for e, branch in equations(jaxpr)
         if branch and e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) in params
     ]
     after = [
         e
-        for e, branch in _eqns_and_branch(jaxpr)
+        for e, branch in equations(jaxpr)
         if not branch and e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) in params
     ]
     assert not in_branch, in_branch
@@ -622,13 +610,13 @@ def test_dense_rows_are_normed_as_they_are_unless_a_square_may_be_lost(monkeypat
     jaxpr = jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr
     over_rows = [
         e.invars[0].aval.shape
-        for e, branch in _eqns_and_branch(jaxpr)
+        for e, branch in equations(jaxpr)
         if not branch and e.primitive.name == "reduce_max" and e.invars[0].aval.ndim == 4
     ]
     assert not over_rows, over_rows
     branched = [
         e
-        for e, branch in _eqns_and_branch(jaxpr)
+        for e, branch in equations(jaxpr)
         if branch and e.primitive.name == "reduce_max" and e.invars[0].aval.ndim >= 3
     ]
     assert branched

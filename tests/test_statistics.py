@@ -20,7 +20,7 @@ import microbatching
 from microbatching import AccumulationType, micro_grad
 from microbatching._statistics import Monomial, _read_values
 
-from .strategies import assert_close
+from .strategies import assert_close, equations
 from .test_ghost import (
     MICROBATCH,
     Model,
@@ -415,17 +415,6 @@ def test_the_statistics_form_no_per_example_gradients():
     assert statistics < per_example / 4, (statistics, materialize)
 
 
-def _eqns(jaxpr: Any) -> Any:
-    """Every equation of ``jaxpr`` and of the jaxprs inside it (loops, branches, calls)."""
-    for e in jaxpr.eqns:
-        yield e
-        for value in e.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 @pytest.mark.parametrize(
     ("options", "sums"),
     [
@@ -445,7 +434,7 @@ def test_the_rows_are_summed_by_one_contraction_at_highest_precision(options, su
         model.loss, batch_argnums=(1, 2), microbatch_size=MICROBATCH,
         keep_batch_dim=model.keep_batch_dim, **{"accumulator": MEAN, **options},
     )  # fmt: skip
-    eqns = list(_eqns(jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr))
+    eqns = [e for e, _ in equations(jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr)]
     kernel = (MICROBATCH, 6, 6)  # one microbatch of one kernel's per-example gradients
     over_rows = [
         e

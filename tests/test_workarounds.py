@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxpr_as_fun, jaxprs_in_params
+from jax.extend.core import jaxpr_as_fun
 
 from microbatching import _convs, _layout, _squeeze, _workarounds, micro_grad
 
-from .strategies import assert_close
+from .strategies import assert_close, equations
 
 pytestmark = pytest.mark.compiled  # facts of the compiled program (`make test` runs these apart)
 
@@ -153,13 +153,8 @@ def test_a_convolution_gradient_in_a_loop_keeps_its_order_where_the_gate_applies
 
 def _reductions(jaxpr):
     """The operand shapes of every reduction of ``jaxpr``, its inner jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("reduce_sum", "reduce_max", "reduce_min"):
-            found.append(tuple(eqn.invars[0].aval.shape))
-        for sub in jaxprs_in_params(eqn.params):
-            found += _reductions(sub)
-    return found
+    names = ("reduce_sum", "reduce_max", "reduce_min")
+    return [tuple(e.invars[0].aval.shape) for e, _ in equations(jaxpr) if e.primitive.name in names]
 
 
 def test_reductions_lose_their_unit_dimensions_only_where_the_gate_applies(monkeypatch):
