@@ -1844,13 +1844,6 @@ def test_nan_safe_refuses_the_methods_that_cannot_drop_a_nan_example(method):
         micro_grad(lambda w, x: jnp.sum(x * w), l2_clip_norm=1.0, nan_safe=True, clip_method=method)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known regression (breaker round 20): _ghost._unscaled's zero-side branch takes "
-    "sqrt(inf) * 0 = NaN for a rows site whose input squares overflow beside a cotangent "
-    "of exactly 0; the fix is to set that entry to 0 in the branch where the other side is "
-    "finite. Remove this mark with the fix.",
-)
 def test_a_zero_gradient_beside_inputs_whose_squares_overflow_keeps_its_norm():
     """An example whose input row is finite but so large that its sum of squares overflows
     (1e20), beside a cotangent of exactly 0 (ReLU off): its gradient is exactly 0, its norm

@@ -919,9 +919,10 @@ def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
 def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     """A ``product`` or ``rows`` rule's norms of a chunk of examples, from its rows as
     they are, where every example's sum of squares lies in ``[SAFE_LOW * tiny, max /
-    SAFE_HIGH]`` (or the example's rows on one side are all 0, and its gradient exactly
-    0); otherwise, for the whole chunk, from rows scaled by powers of two (``_balanced``),
-    in a branch.
+    SAFE_HIGH]`` (or, per shared entry, the rows on one side are all 0 and those on the
+    other finite: that part of the gradient is exactly 0, even where the other side's
+    squares overflowed); otherwise, for the whole chunk, from rows scaled by powers of
+    two (``_balanced``), in a branch.
 
     In that range no square or partial sum overflowed, and what underflow took is far
     below ``u``: each square lost is below ``tiny``, at most ``n 2**-66`` of the sum over
@@ -946,12 +947,22 @@ def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
         sx, sg = (jnp.sum(jnp.square(v), axis=(2, 3)) for v in (xs, gs))
         fine = fits(sx) & fits(sg)
         each = _clipping.sqrt(sx) * _clipping.sqrt(sg)
-        norms = each[:, 0] if h == 1 else _clipping.mapped_row_norms(each, each.shape[0])
+
+        def combined(each: jax.Array) -> jax.Array:
+            return each[:, 0] if h == 1 else _clipping.mapped_row_norms(each, each.shape[0])
+
+        norms = combined(each)
+
+        def without(nothing: jax.Array) -> jax.Array:  # sqrt(inf) * 0 is NaN: set to 0
+            return combined(jnp.where(nothing, 0, each))
     else:
         product = jnp.einsum("bhtk,bhtn->bhkn", xs, gs, precision=HIGHEST)
         squares = jnp.sum(jnp.square(product), axis=(1, 2, 3))
         fine = fits(squares)[:, None]
         norms = _clipping.sqrt(squares)
+
+        def without(nothing: jax.Array) -> jax.Array:  # the products of 0 are 0 already
+            return norms
 
     def scaled() -> jax.Array:
         found = jax.vmap(lambda x, g: norm(program, site, x, g, gram=False)[0])(*chunk)
@@ -960,8 +971,10 @@ def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     def with_zeros() -> jax.Array:
         # A gradient that is exactly 0 (a row of weight 0: its cotangents are 0) is
         # taken as it is: every product is 0, so every square, and nothing was lost.
-        exact = fine | zero(xs) | zero(gs)
-        return _sharding.data_cond(jnp.all(exact), lambda: norms, scaled)
+        finite = [jnp.all(jnp.isfinite(v), axis=tuple(range(2, v.ndim))) for v in (xs, gs)]
+        nothing = (zero(xs) & finite[1]) | (zero(gs) & finite[0])
+        found = without(nothing)
+        return _sharding.data_cond(jnp.all(fine | nothing), lambda: found, scaled)
 
     return _sharding.data_cond(jnp.all(fine), lambda: norms, with_zeros)
 
