@@ -583,10 +583,19 @@ def test_the_power_of_two_multiplies_the_clipped_sum_after_the_branch(make):
     fn = grad_fn(model, l2_clip_norm=CLIP, clip_method="ghost")
     jaxpr = jax.make_jaxpr(fn)(model.params, *model.batch).jaxpr
     params = {tuple(jnp.shape(p)) for p in jax.tree.leaves(model.params)}
+
+    def sized(e: Any) -> bool:
+        return tuple(getattr(e.outvars[0].aval, "shape", ())) in params
+
+    # The branches that give parameter-sized sums (not, say, the underflow bound's).
+    sums = [e for e, _ in equations(jaxpr) if e.primitive.name == "cond" and sized(e)]
+    assert sums
     in_branch = [
         e.outvars[0].aval.shape
-        for e, branch in equations(jaxpr)
-        if branch and e.primitive.name == "mul" and tuple(e.outvars[0].aval.shape) in params
+        for c in sums
+        for branch in c.params["branches"]
+        for e, _ in equations(branch.jaxpr)
+        if e.primitive.name == "mul" and sized(e)
     ]
     after = [
         e

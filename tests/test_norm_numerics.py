@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 import microbatching
 from microbatching import _clipping, _ghost, micro_grad
 
+from .strategies import equations
+
 RATIOS = (1e1, 1e2, 1e3, 1e4, 1e5, 1e6)
 """One example per ratio ``||u|| / ||d||``."""
 WIDTH = 4
@@ -688,6 +690,64 @@ def test_the_underflow_bound_keeps_book_keeping_where_it_holds_and_not_where_it_
 
     assert not risk(1e3)
     assert risk(3e38)
+
+
+def _underflow_sites(rows: int) -> tuple[Any, Any, list[int]]:
+    """``_first_column_loss``'s program at ``rows`` examples of 3 entries: its linear
+    sites, to be recorded at chosen data and cotangents."""
+    fun = lambda ps, ex: [_first_column_loss(ps[0], *ex)]  # noqa: E731
+    params = [jnp.full((3, 1), 1e-3, jnp.float32)]
+    example = [jnp.ones((1, 3), jnp.float32), jnp.ones((1,), jnp.float32)]
+    program = _ghost.analyse(fun, params, example)
+    assert program is not None
+    return program, params, [k for k, site in enumerate(program.sites) if site.linear]
+
+
+_MAGNITUDES = st.sampled_from(
+    [0.0, 1e-45, 1e-40, 1.2e-38, 1e-36, 1e-30, 1e-3, 1.0, 1e30, 3e38, np.inf, np.nan]
+)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(
+    data=st.lists(_MAGNITUDES, min_size=12, max_size=12),
+    cotangents=st.lists(_MAGNITUDES, min_size=4, max_size=4),
+    factors=st.lists(st.sampled_from([0.0, 1e-30, 1e-5, 0.5, 1.0]), min_size=4, max_size=4),
+)
+def test_the_underflow_bound_is_counted_exactly_where_an_entry_may_underflow(
+    data: list[float], cotangents: list[float], factors: list[float]
+):
+    """``underflow_risk`` counts lost entries only inside a branch taken where some
+    example's smallest magnitude other than 0 times its factor is below ``tiny``: it
+    answers as the count itself (``_counted_risk``) on magnitudes across float32's range,
+    0, subnormals, inf and NaN included, on data and cotangents."""
+    program, params, sites = _underflow_sites(4)
+    x = jnp.asarray(np.reshape(data, (4, 1, 3)), jnp.float32)
+    s = jnp.asarray(np.reshape(cotangents, (4, 1)), jnp.float32)
+    seen = _ghost.record(program, params, [x, s])
+    factor = jnp.asarray(factors, jnp.float32)
+    target = jnp.asarray([1e-3, 1.0, 1e-30, 0.0], jnp.float32)
+    got = _ghost.underflow_risk(program, seen, sites, factor, target)
+    sides = [_ghost._scaled_side(program, seen, k) for k in sites]
+    counted = _ghost._counted_risk(program, sites, sides, factor, target)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(counted))
+
+
+def test_the_underflow_count_and_the_data_sums_run_only_inside_a_branch():
+    """The count of lost entries (an integer sum) and the data's magnitudes (a float
+    sum) are inside ``lax.cond``'s branch; outside it, one minimum per scaled side."""
+    program, params, sites = _underflow_sites(4)
+    x, s = jnp.ones((4, 1, 3), jnp.float32), jnp.ones((4, 1), jnp.float32)
+    seen = _ghost.record(program, params, [x, s])
+
+    def risk(factor: jax.Array, target: jax.Array) -> jax.Array:
+        return _ghost.underflow_risk(program, seen, sites, factor, target)
+
+    jaxpr = jax.make_jaxpr(risk)(jnp.ones((4,)), jnp.ones((4,))).jaxpr
+    found = [(e.primitive.name, branch) for e, branch in equations(jaxpr)]
+    assert ("reduce_min", False) in found
+    assert ("reduce_sum", True) in found
+    assert ("reduce_sum", False) not in found
 
 
 @pytest.mark.x64

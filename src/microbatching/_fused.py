@@ -191,7 +191,7 @@ class _Program:
             # own partial sum (the backward rule adds them up once), where JAX would
             # all-reduce every microbatch's gradient of a replicated value.
             axes = sorted({a for v in values for a in _sharding.varying(jax.typeof(v))})
-            chosen = [_varying_over(values[j], axes) for j in differentiated]
+            chosen = [_sharding.varying_over(values[j], axes) for j in differentiated]
             scalars, vjp, out = jax.vjp(of, chosen, has_aux=True)
             it = iter(_per_output_vjps(scalars, vjp))
             grads = jax.tree.map(lambda leaf: next(it) if _scalar_floating(leaf) else None, out)
@@ -227,11 +227,6 @@ def _microbatch_struct(leaf: Any, axis: int | None, size: int) -> Any:
     axis = axis % len(shape)
     shape[axis] = min(size, shape[axis])
     return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(leaf))
-
-
-def _varying_over(value: Any, axes: list[str]) -> Any:
-    missing = tuple(a for a in axes if a not in _sharding.varying(jax.typeof(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
 
 
 def _as_varying(gradient: Any, manual: tuple[str, ...]) -> Any:

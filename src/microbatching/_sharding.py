@@ -89,6 +89,13 @@ def varying(aval: Any) -> tuple[str, ...]:
     return tuple(sorted(getattr(manual, "varying", ())))
 
 
+def varying_over(value: Any, axes: Any) -> Any:
+    """``value`` typed as varying over the manual mesh axes ``axes`` too (inside
+    ``shard_map``): ``jax.lax.pcast`` over those it does not vary over yet."""
+    missing = tuple(a for a in axes if a not in varying(jax.typeof(value)))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
+
+
 def varying_of(value: Any) -> tuple[str, ...]:
     """The manual mesh axes that a JAX array (or tracer) varies over; () for anything
     else, which is the same on every device (a NumPy array, a Python number)."""

@@ -19,6 +19,8 @@ reductions as through any other primitives.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
@@ -63,29 +65,27 @@ def _without_units(eqn: JaxprEqn) -> list[JaxprEqn] | None:
     shape, axes = getattr(x.aval, "shape", ()), tuple(eqn.params["axes"])
     result = getattr(out.aval, "shape", ())
     kept = [d for d, size in enumerate(shape) if size != 1]
-    squeezed_shape = tuple(shape[d] for d in kept)
-    new_axes = tuple(i for i, d in enumerate(kept) if d in axes)
-    flat, _ = _RESHAPE.abstract_eval(
-        x.aval, new_sizes=squeezed_shape, dimensions=None, sharding=None
-    )
-    flat_var = Var(flat)
-    first = new_jaxpr_eqn(
-        [x], [flat_var], _RESHAPE,
-        {"new_sizes": squeezed_shape, "dimensions": None, "sharding": None},
-        eqn.effects, eqn.source_info, eqn.ctx,
-    )  # fmt: skip
-    params = {**eqn.params, "axes": new_axes}
-    reduced, _ = eqn.primitive.abstract_eval(flat, **params)
+    first, flat = _reshape(x, tuple(shape[d] for d in kept), eqn)
+    params = {**eqn.params, "axes": tuple(i for i, d in enumerate(kept) if d in axes)}
+    reduced, _ = eqn.primitive.abstract_eval(flat.aval, **params)
     reduced_var = Var(reduced)
-    middle = new_jaxpr_eqn(
-        [flat_var], [reduced_var], eqn.primitive, params, eqn.effects, eqn.source_info, eqn.ctx
-    )
-    back, _ = _RESHAPE.abstract_eval(reduced, new_sizes=result, dimensions=None, sharding=None)
-    if back != out.aval:
-        return None
-    last = new_jaxpr_eqn(
-        [reduced_var], [out], _RESHAPE,
-        {"new_sizes": result, "dimensions": None, "sharding": None},
-        eqn.effects, eqn.source_info, eqn.ctx,
-    )  # fmt: skip
-    return [first, middle, last]
+    middle = new_jaxpr_eqn([flat], [reduced_var], eqn.primitive, params, *_context(eqn))
+    last, back = _reshape(reduced_var, result, eqn, out)
+    return [first, middle, last] if back is out else None
+
+
+def _reshape(
+    x: Any, shape: tuple[int, ...], eqn: JaxprEqn, out: Var | None = None
+) -> tuple[JaxprEqn, Var]:
+    """An equation that reshapes ``x`` to ``shape``, with ``eqn``'s effects and source,
+    and the variable it writes: ``out`` where that has the reshaped type, else a new
+    one."""
+    params = {"new_sizes": shape, "dimensions": None, "sharding": None}
+    aval, _ = _RESHAPE.abstract_eval(x.aval, **params)
+    target = out if out is not None and out.aval == aval else Var(aval)
+    return new_jaxpr_eqn([x], [target], _RESHAPE, params, *_context(eqn)), target
+
+
+def _context(eqn: JaxprEqn) -> tuple[Any, Any, Any]:
+    """``eqn``'s effects, source and context, for the equations that replace it."""
+    return eqn.effects, eqn.source_info, eqn.ctx
