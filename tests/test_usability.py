@@ -177,6 +177,59 @@ def test_nnx_batch_stats_merged_without_a_copy_get_a_hint():
     assert any("nnx.merge(graphdef, state, copy=True)" in n for n in notes)
 
 
+_BATCH_OF_ONE = (
+    "micro_grad called fun with each example as a batch of one (an argument of shape (1, 5)): "
+    "keep_batch_dim=True, the default. If fun is written for a single example, without a "
+    "leading batch axis, pass keep_batch_dim=False."
+)
+
+
+def _one_example_loss(w, x, y):
+    """Written for one example: ``x`` of shape ``(5,)``, ``y`` a scalar."""
+    return jnp.sum((jnp.dot(w.T, x) - y) ** 2)
+
+
+def _one_example_logits(w, x, y):
+    return -jax.nn.log_softmax(x @ w)[y]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_loss_written_for_one_example_gets_a_note_naming_keep_batch_dim(clip):
+    """JAX's own shape error inside fun keeps its message and gains a note with the fix;
+    with ``keep_batch_dim=False`` the same loss gives the per-example gradients' sum."""
+    w, x, y = random_array(0, (5, 3), jnp.float32), random_array(1, (8, 5), jnp.float32), X[:8, 0]
+    options = {"batch_argnums": (1, 2), "microbatch_size": 4, "l2_clip_norm": clip}
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions") as info:
+        micro_grad(_one_example_loss, **options)(w, x, y)
+    assert info.value.__notes__.count(_BATCH_OF_ONE) == 1
+    got, _ = micro_grad(_one_example_loss, keep_batch_dim=False, **options)(w, x, y)
+    each = jax.vmap(jax.grad(_one_example_loss), (None, 0, 0))(w, x, y)
+    if clip is not None:
+        norms = jnp.sqrt(jnp.sum(each**2, axis=(1, 2)))
+        each = each * jnp.minimum(1.0, clip / norms)[:, None, None]
+    assert_close(got, jnp.sum(each, axis=0), terms=2)
+
+
+def test_a_loss_of_shape_one_per_example_names_keep_batch_dim():
+    w, x = random_array(0, (5, 3), jnp.float32), random_array(1, (8, 5), jnp.float32)
+    y = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(TypeError) as info:
+        micro_grad(_one_example_logits, batch_argnums=(1, 2), microbatch_size=4)(w, x, y)
+    assert str(info.value) == (
+        "micro_grad needs fun to return a scalar loss per example, but it returned shape "
+        "(1, 3) for each; reduce it to a scalar in fun. " + _BATCH_OF_ONE
+    )
+
+
+def test_an_error_of_a_loss_that_sees_one_example_gets_no_note():
+    def broken(w, x):
+        raise ValueError("from the loss")
+
+    with pytest.raises(ValueError, match="from the loss") as info:
+        micro_grad(broken, microbatch_size=4, keep_batch_dim=False)(jnp.ones(3), jnp.ones((8, 3)))
+    assert not any("batch of one" in note for note in getattr(info.value, "__notes__", []))
+
+
 def test_version_matches_the_package_metadata():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert microbatching.__version__ == pyproject["project"]["version"]

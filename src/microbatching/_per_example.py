@@ -140,8 +140,32 @@ class Examples:
         args, kwargs = self.expand(args, kwargs)
         return self._loss(*args, **kwargs)
 
+    def _batch_of_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The note on an error that ``fun`` raised, or a shape it returned, where it saw
+        each example as a batch of one: the usual cause is a loss written for one example."""
+        shape = next(
+            (
+                tuple(np.shape(leaf))
+                for where, value in (*enumerate(args), *kwargs.items())
+                if self.axes.position(where) is not None and self.axes.spec(where) is not None
+                for leaf in jax.tree.leaves(value)
+            ),
+            None,
+        )
+        seen = f" (an argument of shape {shape})" if shape is not None else ""
+        return (
+            "micro_grad called fun with each example as a batch of one"
+            f"{seen}: keep_batch_dim=True, the default. If fun is written for a single "
+            "example, without a leading batch axis, pass keep_batch_dim=False."
+        )
+
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        out = self.fun(*args, **kwargs)
+        try:
+            out = self.fun(*args, **kwargs)
+        except (TypeError, ValueError, IndexError) as err:
+            if self.keep_batch_dim:
+                err.add_note(self._batch_of_one(args, kwargs))
+            raise
         pair = isinstance(out, tuple | list)
         if self.has_aux and not (pair and len(out) == 2):
             got = f"a {type(out).__name__} of {len(out)}" if pair else _describe(out)
@@ -165,9 +189,12 @@ class Examples:
             )
         value = jnp.asarray(value)
         if value.ndim != 0:
+            hint = ""
+            if self.keep_batch_dim and value.shape[0] == 1:
+                hint = " " + self._batch_of_one(args, kwargs)
             raise TypeError(
                 "micro_grad needs fun to return a scalar loss per example, but it returned "
-                f"shape {value.shape} for each; reduce it to a scalar in fun."
+                f"shape {value.shape} for each; reduce it to a scalar in fun.{hint}"
             )
         return value, aux
 
