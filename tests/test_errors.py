@@ -129,12 +129,27 @@ def test_unequal_batch_sizes_lists_every_argument():
 
 def test_batch_not_divisible():
     expected = (
-        r"The batch size 8 is not divisible by microbatch_size=3\. Pass allow_remainder=True to "
+        r"The batch size 8 \(`x` axis 0 of shape \(8, 3\)\) is not divisible by microbatch_size=3\. "
+        r"Pass allow_remainder=True to "
         r"run 2 microbatches of 3 rows and one of the last 2; or use a microbatch_size that "
         r"divides 8, such as one of \[2, 4\]\."
     )
     with pytest.raises(ValueError, match=expected):
         microbatch(pair, 0, 3)(X, 1.0)
+
+
+def test_a_batch_size_error_names_the_argument_it_read_the_size_from():
+    """``argnums=0`` where the parameters are not the batch: the message points at them."""
+
+    def loss(w, x):
+        return jnp.sum((x @ w.T) ** 2)
+
+    with pytest.raises(
+        ValueError,
+        match=r"^The batch size 16 \(`w` axis 0 of shape \(16, 3\)\) is smaller than "
+        r"microbatch_size=100\. ",
+    ):
+        microbatch(loss, argnums=0, microbatch_size=100)(jnp.ones((16, 3)), jnp.ones((64, 3)))
 
 
 def test_batch_not_divisible_suggests_the_nearest_divisors():
@@ -147,7 +162,8 @@ def test_batch_not_divisible_suggests_the_nearest_divisors():
 def test_batch_not_divisible_by_a_prime_size_says_so():
     # Issue 8: 10007 is prime; the old advice listed [1, 10007].
     expected = (
-        r"The batch size 10007 is not divisible by microbatch_size=64\. Pass allow_remainder=True "
+        r"The batch size 10007 \(`x` axis 0 of shape \(10007,\)\) is not divisible by "
+        r"microbatch_size=64\. Pass allow_remainder=True "
         r"to run 156 microbatches of 64 rows and one of the last 23 \(10007 is prime: only 1 "
         r"and 10007 divide it\)\. To keep one compiled shape for batches "
         r"of varying size, pad them to a fixed size and pass example_weights that are 0 on the "

@@ -283,7 +283,8 @@ def test_custom_accumulators_see_the_remainder_alone():
 def test_a_batch_smaller_than_the_microbatch():
     with pytest.raises(
         ValueError,
-        match=r"The batch size 4 is smaller than microbatch_size=10\. Pass allow_remainder=True "
+        match=r"The batch size 4 \(`x` axis 0 of shape \(4, 3\)\) is smaller than microbatch_size=10\. "
+        r"Pass allow_remainder=True "
         r"to run it as one microbatch of 4 rows \(which micro_vmap and micro_grad pad to 10 "
         r"with masked copies of the last row\); or pass microbatch_size=4, or None for no "
         r"microbatching\.",

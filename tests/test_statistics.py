@@ -631,6 +631,28 @@ def test_auto_takes_the_cheaper_of_the_two():
     assert "forming the per-example gradients costs less" in report.reason
 
 
+def test_the_report_says_what_the_statistics_method_reads_off_the_program():
+    """Without ``transform_fn`` the method reads the (clipped) sum, and the report says
+    so, not ``transform_fn``."""
+    model = mlp()
+
+    def reason(**options: Any) -> str:
+        fn = micro_grad(
+            model.loss,
+            batch_argnums=tuple(range(1, 1 + len(model.batch))),
+            keep_batch_dim=model.keep_batch_dim,
+            microbatch_size=MICROBATCH,
+            clip_method="statistics",
+            **options,
+        )
+        report = microbatching.clipping_report(fn, model.params, *model.batch)
+        assert report.method == "statistics", str(report)
+        return report.reason
+
+    assert reason(l2_clip_norm=1.0).startswith("the clipped sum read off the traced program")
+    assert reason().startswith("the sum read off the traced program")
+
+
 def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
     with pytest.raises(
         ValueError,

@@ -113,7 +113,7 @@ def locate(
     elif allow_remainder or microbatch_size is None:
         n, remainder = -(-size // m), size % m
     else:
-        n = _num_microbatches(binding, size, m)
+        n = _num_microbatches(binding, size, m, _size_source(axes, leaves, labels))
     index = len(leaves) - 1 if weights is not None else None
     if remainder and pad and weights is None:
         leaves, labels, axes = [*leaves, jnp.ones(size, bool)], [*labels, WEIGHTS], [*axes, 0]
@@ -257,11 +257,23 @@ def _check_mapped_keyword(axes: BatchAxes, name: str, value: Any) -> None:
             )
 
 
-def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int) -> int:
-    """The number of microbatches, or a ValueError naming both sizes and the fixes."""
+def _size_source(axes: list[int | None], leaves: list[Any], labels: list[str]) -> str:
+    """Where the batch size comes from, for messages: the first batched leaf."""
+    for ax, leaf, lab in zip(axes, leaves, labels, strict=True):
+        if ax is not None:
+            return f"`{lab}` axis {ax} of shape {tuple(np.shape(leaf))}"
+    return "no batched argument"
+
+
+def _num_microbatches(
+    binding: BatchAxes, batch_size: int, microbatch_size: int, source: str
+) -> int:
+    """The number of microbatches, or a ValueError naming both sizes, where the batch
+    size comes from (``source``) and the fixes."""
     if 0 < batch_size < microbatch_size:
         raise ValueError(
-            f"The batch size {batch_size} is smaller than {microbatch_size=}. Pass "
+            f"The batch size {batch_size} ({source}) is "
+            f"smaller than {microbatch_size=}. Pass "
             f"allow_remainder=True to run it as one microbatch of {batch_size} rows (which "
             f"micro_vmap and micro_grad pad to {microbatch_size} with masked copies of the "
             f"last row); or pass microbatch_size={batch_size}, or None for no microbatching."
@@ -282,7 +294,8 @@ def _num_microbatches(binding: BatchAxes, batch_size: int, microbatch_size: int)
             else ""
         )
         raise ValueError(
-            f"The batch size {batch_size} is not divisible by {microbatch_size=}. Pass "
+            f"The batch size {batch_size} ({source}) is "
+            f"not divisible by {microbatch_size=}. Pass "
             f"allow_remainder=True to run {n} {'microbatch' if n == 1 else 'microbatches'} "
             f"of {microbatch_size} rows and one of the last {r}{sizes}.{padding}"
         )

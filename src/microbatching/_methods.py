@@ -529,8 +529,16 @@ def _statistics_plan(
     for s in reading.outputs + reading.metric_outputs:
         counts[s.form] = counts.get(s.form, 0) + 1
     forms = ", ".join(f"{n} {form}" for form, n in counts.items())
-    read = "transform_fn and metrics_fn" if reading.metric_outputs else "transform_fn"
-    why = f"{read} read off the traced program, each output leaf from the sites: {forms}"
+    read = [
+        name
+        for name, given in (
+            ("transform_fn", request.transform is not _per_example.identity),
+            ("metrics_fn", bool(reading.metric_outputs)),
+        )
+        if given
+    ]
+    what = " and ".join(read) if read else ("the clipped sum" if request.clipping else "the sum")
+    why = f"{what} read off the traced program, each output leaf from the sites: {forms}"
     if request.transform is not _per_example.identity:
         mine, theirs = _statistics.cost(reading, program), _statistics.materialize_cost(program)
         costs = f"{mine:,} flops per example against {theirs:,} for per-example gradients"
