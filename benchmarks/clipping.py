@@ -439,6 +439,7 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
     reference = warm_up(vmap_grad(w), w.args)
     rows: list[str] = []
     errors: list[tuple[float, str]] = []
+    measured: list[str] = []
     for size in sizes:
         warm: dict[str, Warm] = {}
         for name, fn in ways(w, size).items():
@@ -467,6 +468,7 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
             else:
                 cells = f"skipped: over {LIMIT_S:.0f} s per call ({x.first_s:.1f} s) | "
             rows.append(f"| {label} | {name} | {x.temp_mib:.1f} | {x.gflops:.2f} | {cells} |")
+        measured.append(against_measured(clipping.predicted, seconds, size))
     worst, where = max(errors)
     optax_note = "" if OPTAX else " optax is not importable: its row is left out."
     return "\n".join(
@@ -481,7 +483,33 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
             "",
             f"Largest relative difference of a clipped sum from `vmap(grad)`: {worst:.1e} "
             f"({where}). {time.perf_counter() - start:.0f} s for this table.",
+            "",
+            predicted_line(clipping.predicted, clipping.method, measured),
         ]
+    )
+
+
+def against_measured(predicted: dict[str, int], seconds: dict[str, list[float]], size: int) -> str:
+    """At one microbatch size: the median time of each method the cost model compared
+    (forced by ``clip_method``), and which was faster."""
+    timed = {name: float(np.median(seconds[name])) for name in predicted if name in seconds}
+    if len(timed) < 2:
+        return f"microbatch {size}: not every compared method was timed"
+    fastest = min(timed, key=lambda name: timed[name])
+    cells = ", ".join(f"`{name}` {1e3 * t:.1f} ms" for name, t in timed.items())
+    return f"microbatch {size}: {cells} (faster: `{fastest}`)"
+
+
+def predicted_line(predicted: dict[str, int], method: str, measured: list[str]) -> str:
+    """The cost model's prediction (``clipping_report``'s ``predicted``) against the
+    measured medians of the methods it compared."""
+    if not predicted:
+        return "`auto` compared no costs here (`clipping_report` has no `predicted`)."
+    costs = ", ".join(f"`{name}` {flops:,}" for name, flops in predicted.items())
+    cheapest = min(predicted, key=lambda name: predicted[name])
+    return (
+        f"`auto`'s cost model, per example: {costs} flops; it predicts `{cheapest}` "
+        f"(and picks `{method}`). Measured: " + "; ".join(measured) + "."
     )
 
 

@@ -1238,6 +1238,24 @@ def test_auto_forms_per_example_gradients_where_they_cost_less():
     assert_close(forced(w, x)[0], clipped_sum(grads, clip), terms=TERMS)
 
 
+def test_the_report_gives_the_costs_auto_compared():
+    """``predicted`` holds the cost model's flops per example of each method compared,
+    the figures the reason states; ``auto`` takes the smaller. Without clipping nothing
+    is compared."""
+    rng = np.random.default_rng(3)
+    for rows, picked in ((64, "materialize"), (1, "ghost")):
+        w, x = normal(rng, 4, 4), normal(rng, BATCH, rows, 4)
+        model = Model(lambda w, x: jnp.sum(jnp.tanh(x @ w)), w, (x,))
+        report = microbatching.clipping_report(grad_fn(model, l2_clip_norm=CLIP), w, x)
+        assert set(report.predicted) == {"ghost", "materialize"}, str(report)
+        assert min(report.predicted, key=lambda m: report.predicted[m]) == picked
+        assert report.method == picked
+        for flops in report.predicted.values():
+            assert f"{flops:,}" in report.reason
+    plain = microbatching.clipping_report(grad_fn(model), w, x)
+    assert plain.predicted == {}
+
+
 # --- found by trying to break it ------------------------------------------------------
 
 

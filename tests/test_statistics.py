@@ -620,6 +620,7 @@ def test_auto_takes_the_cheaper_of_the_two():
         grad_fn(model, MOMENTS, clip_method="auto"), model.params, *model.batch
     )
     assert report.method == "statistics" and "flops per example against" in report.reason
+    assert report.predicted["statistics"] < report.predicted["materialize"]
     # Every leaf's sites hold 5 rows: each square is read directly, and the sum that
     # mixes the leaves needs the sum of the gradients besides.
     model = attention()
@@ -629,6 +630,7 @@ def test_auto_takes_the_cheaper_of_the_two():
     )
     assert report.method == "materialize"
     assert "forming the per-example gradients costs less" in report.reason
+    assert report.predicted["materialize"] < report.predicted["statistics"]
 
 
 def test_the_report_says_what_the_statistics_method_reads_off_the_program():

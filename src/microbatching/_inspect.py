@@ -87,6 +87,11 @@ class ClippingReport:
       leaves: One ``LeafRule`` per parameter leaf.
       statistics: For ``statistics``, one ``StatisticRule`` per output leaf of
         ``transform_fn`` (then of a linear ``metrics_fn``); else empty.
+      predicted: The cost model's per-example cost, in flops, of each method it
+        compared for this call (``ghost`` or ``statistics`` against ``materialize``),
+        by name: what ``clip_method='auto'`` chooses by, and what a benchmark can hold
+        against the measured times (``benchmarks/clipping.py`` does). Empty where no
+        costs were compared.
 
     >>> report = ClippingReport("plain", "nothing to clip", ())
     >>> report.coverage()
@@ -97,6 +102,7 @@ class ClippingReport:
     reason: str
     leaves: tuple[LeafRule, ...]
     statistics: tuple[StatisticRule, ...] = ()
+    predicted: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def coverage(self) -> dict[str, float]:
         """The fraction of the parameters' entries (their count, not their bytes) that

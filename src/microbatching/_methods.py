@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +308,8 @@ class GradPlan:
         (``summed_is_exact`` with scaling), so that the mean's ``1 / rows`` may seed it.
       layout: The call's sharded layout (``_fsdp.layout``), or None.
       reading: For ``statistics``, the reading of ``transform_fn`` and ``metrics_fn``.
+      predicted: The cost model's per-example flops of each method compared, by name
+        (``ClippingReport.predicted``).
     """
 
     method: Method
@@ -317,6 +319,7 @@ class GradPlan:
     seedable: bool = False
     layout: _fsdp.Layout | None = None
     reading: _statistics.Reading | None = None
+    predicted: tuple[tuple[str, int], ...] = ()
 
     def report(self) -> ClippingReport:
         """The plan as ``clipping_report`` shows it."""
@@ -335,7 +338,9 @@ class GradPlan:
                 StatisticRule(f"metrics_fn{s.path}", s.form, "", s.why)
                 for s in self.reading.metric_outputs
             )
-        return ClippingReport(self.method.name, self.reason, self.leaves, statistics)
+        return ClippingReport(
+            self.method.name, self.reason, self.leaves, statistics, dict(self.predicted)
+        )
 
     def seeds(self, accumulators: Any, weighted: bool) -> bool:
         """Whether a step with ``accumulators`` seeds the backward pass with the mean's
@@ -385,12 +390,18 @@ def plan(
     paths = _per_example.leaf_paths(request.example, args)
     params = jax.tree.leaves([args[i] for i in request.example.nums()])
 
-    def each(method: Method, rule: str, why: str, seedable: bool = False) -> GradPlan:
+    def each(
+        method: Method,
+        rule: str,
+        why: str,
+        seedable: bool = False,
+        predicted: tuple[tuple[str, int], ...] = (),
+    ) -> GradPlan:
         leaves = tuple(
             LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
             for path, p in zip(paths, params, strict=True)
         )
-        return GradPlan(method, why, leaves, request.summed, seedable, layout)
+        return GradPlan(method, why, leaves, request.summed, seedable, layout, predicted=predicted)
 
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
@@ -399,8 +410,8 @@ def plan(
         return _per_example_plan(request, args, kwargs, layout, sharded, each)
     if asked == "statistics":
         found = _statistics_plan(request, args, kwargs, layout, sharded)
-        if isinstance(found, str):
-            raise ValueError(_NO_STATISTICS.format(reason=found))
+        if isinstance(found, Declined):
+            raise ValueError(_NO_STATISTICS.format(reason=found.reason))
         return found
     scaled = request.clipping is not None or weighted
 
@@ -427,7 +438,7 @@ def plan(
         return each(CHUNKED, "per-example", _ASKED)
     if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
         found = _statistics_plan(request, args, kwargs, layout, sharded)
-        if not isinstance(found, str):
+        if not isinstance(found, Declined):
             return found
         why = (
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
@@ -447,11 +458,14 @@ def plan(
     costs = (
         f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
     )
+    predicted = (("ghost", ghost), ("materialize", per_example))
     if asked == "auto" and per_example < ghost:
-        return GradPlan(MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, layout=layout)
+        return GradPlan(
+            MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, layout=layout, predicted=predicted
+        )
     why = _ASKED if asked != "auto" else "the ghost norms read this loss"
     method = TWO_PASS if asked == "two_pass" else GHOST
-    return GradPlan(method, f"{why}: {costs}", leaves, layout=layout)
+    return GradPlan(method, f"{why}: {costs}", leaves, layout=layout, predicted=predicted)
 
 
 def _forming(request: GradRequest, exact: Callable[[], bool]) -> Method:
@@ -478,7 +492,7 @@ def _per_example_plan(
     kwargs: dict[str, Any],
     layout: _fsdp.Layout | None,
     sharded: bool,
-    each: Callable[[Method, str, str], GradPlan],
+    each: Callable[..., GradPlan],
 ) -> GradPlan:
     """The plan of a call with a ``transform_fn`` or accumulators other than SUM and
     MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``,
@@ -487,11 +501,20 @@ def _per_example_plan(
         why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
         return each(MATERIALIZE, "per-example", why)
     found = _statistics_plan(request, args, kwargs, layout, sharded)
-    if isinstance(found, str):
+    if isinstance(found, Declined):
         if request.method == "statistics":
-            raise ValueError(_NO_STATISTICS.format(reason=found))
-        return each(MATERIALIZE, "per-example", f"{_PER_EXAMPLE}: {found}")
+            raise ValueError(_NO_STATISTICS.format(reason=found.reason))
+        why = f"{_PER_EXAMPLE}: {found.reason}"
+        return each(MATERIALIZE, "per-example", why, False, found.predicted)
     return found
+
+
+class Declined(NamedTuple):
+    """Why the statistics method does not compute a call, and the costs compared where
+    that is the reason (``GradPlan.predicted``)."""
+
+    reason: str
+    predicted: tuple[tuple[str, int], ...] = ()
 
 
 def _statistics_plan(
@@ -500,26 +523,27 @@ def _statistics_plan(
     kwargs: dict[str, Any],
     layout: _fsdp.Layout | None,
     sharded: bool,
-) -> GradPlan | str:
+) -> GradPlan | Declined:
     """The statistics method's plan where it reads ``transform_fn`` and ``metrics_fn``
-    (``_statistics.read``) and the ghost engine reads the loss; else why not. The batch
-    is not empty."""
+        (``_statistics.read``) and the ghost engine reads the loss; else why not
+    (``Declined``). The batch
+        is not empty."""
     if sharded or layout is not None:
-        return (
+        return Declined(
             "the batch is split over a mesh, and the statistics method does not lay its "
             "sums out per shard yet"
         )
     sums = request.sums()
     program = _per_example.read_program(sums, args, kwargs)
     if isinstance(program, str):
-        return program
+        return Declined(program)
     grads = _per_example.gradient_shapes(request.example, args)
     norms = request.metrics is _per_example.l2_norm
     reading = _statistics.read(
         request.transform, sums.metrics, norms, grads, program.rules, program.sites
     )
     if isinstance(reading, str):
-        return reading
+        return Declined(reading)
     paths = _per_example.leaf_paths(request.example, args)
     leaves = tuple(
         LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
@@ -539,13 +563,17 @@ def _statistics_plan(
     ]
     what = " and ".join(read) if read else ("the clipped sum" if request.clipping else "the sum")
     why = f"{what} read off the traced program, each output leaf from the sites: {forms}"
+    predicted: tuple[tuple[str, int], ...] = ()
     if request.transform is not _per_example.identity:
         mine, theirs = _statistics.cost(reading, program), _statistics.materialize_cost(program)
         costs = f"{mine:,} flops per example against {theirs:,} for per-example gradients"
+        predicted = (("statistics", mine), ("materialize", theirs))
         if request.method == "auto" and theirs < mine:
-            return f"{_CHEAPER}: {costs}"
+            return Declined(f"{_CHEAPER}: {costs}", predicted)
         why = f"{_ASKED if request.method == 'statistics' else why}: {costs}"
-    return GradPlan(STATISTICS, why, leaves, True, layout=layout, reading=reading)
+    return GradPlan(
+        STATISTICS, why, leaves, True, layout=layout, reading=reading, predicted=predicted
+    )
 
 
 _MIXES_ROWS = (
