@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from accumulation import Fn, ms, ratio, report  # benchmarks/ is on sys.path
 from clipping import (
     OPTAX,
@@ -200,7 +201,34 @@ def table(name: str, w: Workload, size: int, reps: int) -> str:
             "",
             f"Largest relative difference from `vmap(grad)`: {worst:.1e} ({where}). "
             f"{time.perf_counter() - start:.0f} s for this table.",
+            "",
+            predicted_line(report_of.method, report_of.predicted, seconds, base),
         ]
+    )
+
+
+def predicted_line(
+    method: str,
+    predicted: dict[str, int],
+    seconds: dict[str, list[float]],
+    base: dict[str, list[float]],
+) -> str:
+    """``auto``'s cost model (``clipping_report``'s ``predicted``) against the measured
+    ratios of ``auto``'s choice and of the forced per-example path."""
+    if not predicted:
+        return "`auto` compared no costs here (`clipping_report` has no `predicted`)."
+    costs = ", ".join(f"`{name}` {flops:,}" for name, flops in predicted.items())
+    cheapest = min(predicted, key=lambda name: predicted[name])
+    forced = "`micro_grad` materialize"
+    if AUTO not in seconds or forced not in seconds:
+        return f"`auto`'s cost model, per example: {costs} flops; not every way was timed."
+    mine = float(np.median(np.asarray(seconds[AUTO]) / np.asarray(base[AUTO])))
+    theirs = float(np.median(np.asarray(seconds[forced]) / np.asarray(base[forced])))
+    faster = method if mine <= theirs else "materialize"
+    return (
+        f"`auto`'s cost model, per example: {costs} flops; it predicts `{cheapest}` and "
+        f"picks `{method}`. Measured, time / plain: `{method}` (auto) {mine:.2f}x, "
+        f"`materialize` {theirs:.2f}x (faster: `{faster}`)."
     )
 
 
