@@ -221,13 +221,54 @@ def test_a_loss_of_shape_one_per_example_names_keep_batch_dim():
     )
 
 
-def test_an_error_of_a_loss_that_sees_one_example_gets_no_note():
-    def broken(w, x):
-        raise ValueError("from the loss")
+def test_a_loss_written_for_a_batch_given_keep_batch_dim_false_gets_the_other_note():
+    def batch_loss(w, x, y):  # indexes the batch axis that keep_batch_dim=False takes away
+        return -jnp.mean(jnp.take_along_axis(x @ w, y[:, None], axis=1))
 
-    with pytest.raises(ValueError, match="from the loss") as info:
-        micro_grad(broken, microbatch_size=4, keep_batch_dim=False)(jnp.ones(3), jnp.ones((8, 3)))
-    assert not any("batch of one" in note for note in getattr(info.value, "__notes__", []))
+    w, x = random_array(0, (5, 3), jnp.float32), random_array(1, (8, 5), jnp.float32)
+    y = jnp.zeros((8,), jnp.int32)
+    grad_fn = micro_grad(batch_loss, batch_argnums=(1, 2), microbatch_size=4, keep_batch_dim=False)
+    with pytest.raises(IndexError) as info:
+        grad_fn(w, x, y)
+    assert (
+        info.value.__notes__.count(
+            "micro_grad called fun with each example without a batch axis (an argument of shape "
+            "(5,)): keep_batch_dim=False. If fun is written for a batch, indexing or reducing "
+            "over a leading batch axis, leave keep_batch_dim at its default, True."
+        )
+        == 1
+    )
+
+
+def test_a_loss_of_any_other_shape_per_example_names_keep_batch_dim():
+    w, x = random_array(0, (5, 3), jnp.float32), random_array(1, (8, 5), jnp.float32)
+    with pytest.raises(TypeError) as info:
+        micro_grad(lambda w, x: (x @ w)[0], microbatch_size=4)(w, x)
+    assert str(info.value).endswith(_BATCH_OF_ONE), str(info.value)
+
+
+def test_an_error_beside_an_argument_of_the_batch_size_passed_whole_names_it():
+    """``argnums=1`` where ``y`` is batched too: JAX's shape error gains a note naming
+    ``y``, passed whole at the batch's size; an error with nothing so named gains none."""
+    w, x, y = jnp.ones(3), jnp.ones((64, 3)), jnp.ones(64)
+
+    def loss(w, x, y):
+        return jnp.mean((x @ w - y) ** 2)
+
+    with pytest.raises(TypeError, match="incompatible shapes for broadcasting") as info:
+        jax.jit(microbatch(loss, argnums=1, microbatch_size=16))(w, x, y)
+    assert (
+        info.value.__notes__.count(
+            "microbatching: fun ran on microbatches of 16 rows of the batch arguments, and got "
+            "`y` (shape (64,)) whole, though its axis 0 has the batch's size, 64. If it is part "
+            "of the batch, add it to the batch arguments: argnums (microbatch), in_axes "
+            "(micro_vmap) or batch_argnums (micro_grad)."
+        )
+        == 1
+    )
+    with pytest.raises(TypeError) as info:
+        microbatch(loss, argnums=1, microbatch_size=16)(w, x, jnp.ones(5))
+    assert not any("whole" in note for note in getattr(info.value, "__notes__", []))
 
 
 def test_version_matches_the_package_metadata():

@@ -311,6 +311,10 @@ def _trace(body: Function, loop: Loop) -> Programs:
         except Exception as err:
             if _mutates_outer_state(err):
                 err.add_note(STATE_HINT)
+            elif isinstance(err, TypeError | ValueError | IndexError):
+                whole = _whole_batch_sized(batch)
+                if whole:
+                    err.add_note(_WHOLE.format(size=batch.size, rows=loop.size, whole=whole))
             raise
         return _squeeze.squeezed(_convs.canonical(program)), shapes
 
@@ -324,6 +328,30 @@ def _trace(body: Function, loop: Loop) -> Programs:
         return Programs(main, shapes)
     remainder, _ = traced(jax.eval_shape(loop.remainder))
     return Programs(main, shapes, remainder)
+
+
+_WHOLE = (
+    "microbatching: fun ran on microbatches of {rows} rows of the batch arguments, and got "
+    "{whole} whole, though its axis 0 has the batch's size, {size}. If it is part of the "
+    "batch, add it to the batch arguments: argnums (microbatch), in_axes (micro_vmap) or "
+    "batch_argnums (micro_grad)."
+)
+
+
+def _whole_batch_sized(batch: Batch) -> str:
+    """The arguments passed to ``fun`` whole whose axis 0 has the batch's size, named for
+    a note: the usual cause of a shape error inside ``fun`` is one of them left out of
+    the batch arguments."""
+    batched = set(batch.batched)
+    found = [
+        f"`{label}` (shape {tuple(np.shape(leaf))})"
+        for i, (leaf, label) in enumerate(zip(batch.leaves, batch.labels, strict=False))
+        if i not in batched
+        and i != batch.weights
+        and np.ndim(leaf)
+        and np.shape(leaf)[0] == batch.size
+    ]
+    return ", ".join(found)
 
 
 def _mutates_outer_state(err: Exception) -> bool:

@@ -140,9 +140,10 @@ class Examples:
         args, kwargs = self.expand(args, kwargs)
         return self._loss(*args, **kwargs)
 
-    def _batch_of_one(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The note on an error that ``fun`` raised, or a shape it returned, where it saw
-        each example as a batch of one: the usual cause is a loss written for one example."""
+    def _shapes_seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The note on an error that ``fun`` raised, or a shape it returned: how it saw
+        each example (``keep_batch_dim``), and the fix where that was the cause, the
+        usual one for a loss written for one example or for a batch."""
         shape = next(
             (
                 tuple(np.shape(leaf))
@@ -153,18 +154,23 @@ class Examples:
             None,
         )
         seen = f" (an argument of shape {shape})" if shape is not None else ""
+        if self.keep_batch_dim:
+            return (
+                "micro_grad called fun with each example as a batch of one"
+                f"{seen}: keep_batch_dim=True, the default. If fun is written for a single "
+                "example, without a leading batch axis, pass keep_batch_dim=False."
+            )
         return (
-            "micro_grad called fun with each example as a batch of one"
-            f"{seen}: keep_batch_dim=True, the default. If fun is written for a single "
-            "example, without a leading batch axis, pass keep_batch_dim=False."
+            "micro_grad called fun with each example without a batch axis"
+            f"{seen}: keep_batch_dim=False. If fun is written for a batch, indexing or "
+            "reducing over a leading batch axis, leave keep_batch_dim at its default, True."
         )
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         try:
             out = self.fun(*args, **kwargs)
         except (TypeError, ValueError, IndexError) as err:
-            if self.keep_batch_dim:
-                err.add_note(self._batch_of_one(args, kwargs))
+            err.add_note(self._shapes_seen(args, kwargs))
             raise
         pair = isinstance(out, tuple | list)
         if self.has_aux and not (pair and len(out) == 2):
@@ -189,9 +195,7 @@ class Examples:
             )
         value = jnp.asarray(value)
         if value.ndim != 0:
-            hint = ""
-            if self.keep_batch_dim and value.shape[0] == 1:
-                hint = " " + self._batch_of_one(args, kwargs)
+            hint = " " + self._shapes_seen(args, kwargs) if self.keep_batch_dim else ""
             raise TypeError(
                 "micro_grad needs fun to return a scalar loss per example, but it returned "
                 f"shape {value.shape} for each; reduce it to a scalar in fun.{hint}"
