@@ -170,7 +170,10 @@ class Examples:
         try:
             out = self.fun(*args, **kwargs)
         except (TypeError, ValueError, IndexError) as err:
-            err.add_note(self._shapes_seen(args, kwargs))
+            # One note per error, whichever trace saw it first: a loss that raises the
+            # same exception object each call (a module-level instance) keeps one.
+            if not any("micro_grad called fun" in n for n in getattr(err, "__notes__", [])):
+                err.add_note(self._shapes_seen(args, kwargs))
             raise
         pair = isinstance(out, tuple | list)
         if self.has_aux and not (pair and len(out) == 2):
