@@ -733,6 +733,37 @@ def test_the_underflow_bound_is_counted_exactly_where_an_entry_may_underflow(
     np.testing.assert_array_equal(np.asarray(got), np.asarray(counted))
 
 
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    x=st.lists(_MAGNITUDES, min_size=6, max_size=6),
+    g=st.lists(_MAGNITUDES, min_size=4, max_size=4),
+    signs=st.lists(st.booleans(), min_size=10, max_size=10),
+)
+def test_the_rows_norm_keeps_each_row_norm_apart_from_its_power_of_two(x, g, signs):
+    """``_ghost._rows_norm`` of two shared entries' rows against the float64 norm of the
+    outer products ``x_h g_h^T`` (inf where that is beyond float32, NaN where a product
+    of the entries is, ``0 * inf``): a row's own norm may overflow, or the product of
+    two norms underflow, where the gradient is a float32 number."""
+    sign = np.where(signs, -1.0, 1.0)
+    xs = np.reshape(np.asarray(x) * sign[:6], (2, 3)).astype(np.float32)
+    gs = np.reshape(np.asarray(g) * sign[6:], (2, 2)).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+
+    def flushed(a: np.ndarray) -> np.ndarray:  # XLA:CPU reads subnormal inputs as 0
+        return np.where(np.abs(a) < tiny, 0.0, a).astype(np.float64)
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        outer = np.einsum("hk,hn->hkn", flushed(xs), flushed(gs))
+        want = np.sqrt(np.sum(outer**2))
+    got = float(_ghost._rows_norm(jnp.asarray(xs), jnp.asarray(gs)))
+    if np.isnan(want):
+        assert np.isnan(got), (got, want)
+    elif want > np.finfo(np.float32).max:
+        assert got == np.inf, (got, want)
+    else:  # a product below tiny is flushed too, as in the gradient
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2 * tiny)
+
+
 def test_the_underflow_count_and_the_data_sums_run_only_inside_a_branch():
     """The count of lost entries (an integer sum) and the data's magnitudes (a float
     sum) are inside ``lax.cond``'s branch; outside it, one minimum per scaled side."""

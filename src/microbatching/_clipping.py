@@ -191,6 +191,27 @@ def factor(norms: jax.Array, bound: Any) -> jax.Array:
     return jnp.where(zero, 1.0, jnp.minimum(1.0, bound / jnp.where(zero, 1.0, norms)))
 
 
+def norm_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's norm of ``x`` ``(rows, n)`` (at least float32) as ``(m, k)``, the norm
+    being ``m * 2**k``: ``m`` from the row scaled by the power of two of its largest
+    magnitude (in ``[1/2, sqrt(n))`` for a row of normal numbers, whatever its scale),
+    ``k`` that power's exponent (int32 or int64, within the dtype's normal range). A row
+    of zeros gives ``m = 0``, a row with inf or NaN ``m`` inf or NaN (NaN where it holds
+    a NaN), ``k = 0`` for those."""
+    x = _wide(x)
+    largest = jnp.max(jnp.abs(x), axis=1, initial=0.0)
+    usable = (largest > 0) & jnp.isfinite(largest)
+    # As in ``_scaled_norms``: one power, normal both ways, the largest scaled magnitude
+    # in [1/2, 8); the barrier keeps XLA from folding the scale out of the squares.
+    bound = jnp.finfo(x.dtype).maxexp - 3
+    e = jnp.clip(exponent(jnp.where(usable, largest, 1)), -bound, bound)
+    k = jax.lax.optimization_barrier(jnp.where(usable, e, 0))
+    scaled = x * _at_rows(power_of_two(-k, x.dtype), x)
+    squares = jnp.sum(jnp.square(scaled), axis=1)
+    m = jnp.where(usable, sqrt(squares), jnp.where(jnp.isnan(squares), squares, largest))
+    return m, k
+
+
 def sqrt(squares: Any) -> jax.Array:
     """``jnp.sqrt`` with derivative 0 at 0, where the norm of a gradient of 0 would pass
     ``0 * inf`` (NaN) back to an outer derivative."""

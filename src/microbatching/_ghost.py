@@ -1705,15 +1705,39 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
     matrices of the rows (``gram``) or from the product itself, and whether it is
     reliable: the product form always is (a sum of squares errs as the gradient does),
     the Gram form where its error bound meets ``GRAM_TOLERANCE`` (``_reliable``)."""
-    h, t, _ = xs.shape
+    _, t, _ = xs.shape
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
-        norm = _clipping.norm(_clipping.mapped_row_norms(xs, h) * _clipping.mapped_row_norms(gs, h))
-        return norm, jnp.ones((), bool)
+        return _rows_norm(xs[:, 0], gs[:, 0]), jnp.ones((), bool)
     xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
         product = jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)
         return _product_of_rows(product, *scales), jnp.ones((), bool)
     return _gram_norm(gram_matrices(xs), xs.shape[-1], gram_matrices(gs), gs.shape[-1], scales)
+
+
+def _rows_norm(x: jax.Array, g: jax.Array) -> jax.Array:
+    """``sqrt(sum_h ||x_h||^2 ||g_h||^2)`` of rows ``(h, k)`` and ``(h, n)``, each row's
+    norm kept as a mantissa times a power of two (``_clipping.norm_parts``) until the
+    end: one row's norm may overflow, or its product with the other's underflow, where
+    the gradient ``x_h g_h^T`` is finite (an input row near float32's largest number
+    beside a cotangent of 0, or of 1e-20 beside one of 3e38: NaN and inf before). Rows
+    with 0, inf or NaN give what the products of their entries give: NaN where an inf
+    meets a 0 (``0 * inf``) or a NaN is there, else inf where an inf is, else the norm."""
+    mx, kx = _clipping.norm_parts(x)
+    mg, kg = _clipping.norm_parts(g)
+    # An entry of inf times an entry of 0 is NaN in the gradient, as is any NaN.
+    holes_x, holes_g = jnp.any(x == 0, axis=1), jnp.any(g == 0, axis=1)
+    bad = jnp.isnan(mx) | jnp.isnan(mg)
+    bad = bad | (jnp.isinf(mx) & holes_g) | (jnp.isinf(mg) & holes_x)
+    infinite = (jnp.isinf(mx) | jnp.isinf(mg)) & ~bad
+    zero = (mx == 0) | (mg == 0)
+    m = jnp.where(zero | bad | infinite, 0, mx * mg)  # at most sqrt(k n): no overflow
+    k = kx + kg
+    top = jnp.max(jnp.where(m > 0, k, jnp.iinfo(k.dtype).min))
+    top = jnp.where(jnp.any(m > 0), top, 0)
+    scaled = _clipping.times_power(m, k - top)
+    total = _clipping.times_power(_clipping.sqrt(jnp.sum(jnp.square(scaled))), top)
+    return jnp.where(jnp.any(bad), jnp.nan, jnp.where(jnp.any(infinite), jnp.inf, total))
 
 
 def _gram_norm(
