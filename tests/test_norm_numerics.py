@@ -747,7 +747,7 @@ def test_the_rows_norm_keeps_each_row_norm_apart_from_its_power_of_two(x, g, sig
     sign = np.where(signs, -1.0, 1.0)
     xs = np.reshape(np.asarray(x) * sign[:6], (2, 3)).astype(np.float32)
     gs = np.reshape(np.asarray(g) * sign[6:], (2, 2)).astype(np.float32)
-    tiny = np.finfo(np.float32).tiny
+    tiny = float(np.finfo(np.float32).tiny)
 
     def flushed(a: np.ndarray) -> np.ndarray:  # XLA:CPU reads subnormal inputs as 0
         return np.where(np.abs(a) < tiny, 0.0, a).astype(np.float64)
