@@ -677,27 +677,24 @@ def test_the_underflow_bound_keeps_book_keeping_where_it_holds_and_not_where_it_
     * 1e3``, is far below ``1e-5`` of the target, and book-keeping is kept; at ``3e38``
     it is not, and the microbatch takes the per-example sum."""
 
+    program, params, sites = _underflow_sites(2)
+
     def risk(data: float) -> bool:
-        fun = lambda ps, ex: [_first_column_loss(ps[0], *ex)]  # noqa: E731
-        params = [jnp.full((2, 1), 1e-3, jnp.float32)]
-        example = [jnp.asarray([[data, 1.0]], jnp.float32), jnp.asarray([1e-35], jnp.float32)]
-        program = _ghost.analyse(fun, params, example)
-        assert program is not None
-        seen = _ghost.record(program, params, [e[None] for e in example])
+        x = jnp.asarray([[[data, 1.0]]], jnp.float32)
+        seen = _ghost.record(program, params, [x, jnp.asarray([[1e-35]], jnp.float32)])
         factor, target = jnp.asarray([1e-3]), jnp.asarray([1e-3])
-        sites = [k for k, site in enumerate(program.sites) if site.linear]
         return bool(_ghost.underflow_risk(program, seen, sites, factor, target)[0])
 
     assert not risk(1e3)
     assert risk(3e38)
 
 
-def _underflow_sites(rows: int) -> tuple[Any, Any, list[int]]:
-    """``_first_column_loss``'s program at ``rows`` examples of 3 entries: its linear
-    sites, to be recorded at chosen data and cotangents."""
+def _underflow_sites(entries: int) -> tuple[Any, Any, list[int]]:
+    """``_first_column_loss``'s program on examples of one row of ``entries`` (weights
+    of ``1e-3``), and its linear sites: to be recorded at chosen data and cotangents."""
     fun = lambda ps, ex: [_first_column_loss(ps[0], *ex)]  # noqa: E731
-    params = [jnp.full((3, 1), 1e-3, jnp.float32)]
-    example = [jnp.ones((1, 3), jnp.float32), jnp.ones((1,), jnp.float32)]
+    params = [jnp.full((entries, 1), 1e-3, jnp.float32)]
+    example = [jnp.ones((1, entries), jnp.float32), jnp.ones((1,), jnp.float32)]
     program = _ghost.analyse(fun, params, example)
     assert program is not None
     return program, params, [k for k, site in enumerate(program.sites) if site.linear]
@@ -721,7 +718,7 @@ def test_the_underflow_bound_is_counted_exactly_where_an_entry_may_underflow(
     example's smallest magnitude other than 0 times its factor is below ``tiny``: it
     answers as the count itself (``_counted_risk``) on magnitudes across float32's range,
     0, subnormals, inf and NaN included, on data and cotangents."""
-    program, params, sites = _underflow_sites(4)
+    program, params, sites = _underflow_sites(3)
     x = jnp.asarray(np.reshape(data, (4, 1, 3)), jnp.float32)
     s = jnp.asarray(np.reshape(cotangents, (4, 1)), jnp.float32)
     seen = _ghost.record(program, params, [x, s])
@@ -767,7 +764,7 @@ def test_the_rows_norm_keeps_each_row_norm_apart_from_its_power_of_two(x, g, sig
 def test_the_underflow_count_and_the_data_sums_run_only_inside_a_branch():
     """The count of lost entries (an integer sum) and the data's magnitudes (a float
     sum) are inside ``lax.cond``'s branch; outside it, one minimum per scaled side."""
-    program, params, sites = _underflow_sites(4)
+    program, params, sites = _underflow_sites(3)
     x, s = jnp.ones((4, 1, 3), jnp.float32), jnp.ones((4, 1), jnp.float32)
     seen = _ghost.record(program, params, [x, s])
 
