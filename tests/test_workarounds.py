@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.extend.core import jaxpr_as_fun
 
-from microbatching import _convs, _layout, _squeeze, _workarounds, micro_grad
+from microbatching import _convs, _dots, _layout, _squeeze, _workarounds, micro_grad
 
 from .strategies import assert_close, equations
 
@@ -252,3 +252,108 @@ def test_a_bfloat16_read_in_a_loop_copies_the_batch_to_float32_where_the_gate_ap
     grown = temp(16384) - temp(1024)
     float32_copy = (16384 - 1024) * 16 * 12 * 4
     assert (grown >= 0.9 * float32_copy) == _workarounds.BF16_BITS.applies(), grown
+
+
+def _batch_of_one_loss(w, x):
+    """One example seen as a batch of one, ``x`` of shape ``(1, T, d)``: a dense layer,
+    so that ``w``'s gradient is JAX's transposed product of the cotangent and ``x``."""
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _transposed_products(jaxpr):
+    """The batched products of ``jaxpr`` (any depth) whose result a transpose reads."""
+    found = {e.outvars[0]: e for e, _ in equations(jaxpr) if e.primitive.name == "dot_general"}
+    return [
+        found[e.invars[0]]
+        for e, _ in equations(jaxpr)
+        if e.primitive.name == "transpose" and e.invars[0] in found
+        and found[e.invars[0]].params["dimension_numbers"][1] == ((0,), (0,))
+    ]  # fmt: skip
+
+
+def test_transposed_batched_products_are_swapped_only_where_the_gate_applies(monkeypatch):
+    """Per-example gradients of a dense layer, at the top, inside a jitted function and
+    inside a scan, beside a product with two kept dimensions on one side (not a swap):
+    the same values either way (small integers, exact in any order)."""
+    per_example = jax.vmap(jax.grad(_batch_of_one_loss), (None, 0))
+
+    def fun(w, x, v):
+        inner = jax.jit(per_example)(w, x)
+        scanned = jax.lax.scan(lambda c, xs: (c + per_example(w, xs).sum(0), None), w, x[None])
+        two_kept = jax.lax.dot_general(
+            v[:, :, 0], v[:, :, :, None] * v[:, :, None], (((1,), (1,)), ((0,), (0,)))
+        )
+        return per_example(w, x), inner, scanned[0], jnp.swapaxes(two_kept, 1, 2)
+
+    w = (jnp.arange(12, dtype=jnp.float32).reshape(3, 4) % 5 - 2) / 8
+    x = (jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 1, 5, 3) % 7 - 3) / 4
+    v = jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 2)
+    program = jax.make_jaxpr(fun)(w, x, v)
+    assert len(_transposed_products(program.jaxpr)) == 4
+    rewritten = _dots.swapped(program)
+    assert (rewritten is not program) == _workarounds.DOT_ORDER.applies()
+    left = _transposed_products(rewritten.jaxpr)
+    kept = [e for e in left if e.invars[0].aval.shape == (2, 3)]
+    assert len(kept) == 1  # two kept dimensions on one side: a swap is not the transpose
+    assert len(left) == (1 if _workarounds.DOT_ORDER.applies() else 4), left
+    got, want = jaxpr_as_fun(rewritten)(w, x, v), jaxpr_as_fun(program)(w, x, v)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert_close(a, b)
+    plain = jax.make_jaxpr(lambda w, x: jnp.sum(x @ w))(w, x)
+    assert _dots.swapped(plain) is plain  # nothing to rewrite: the same program
+    without(monkeypatch, "DOT_ORDER")
+    assert _dots.swapped(program) is program
+
+
+def test_per_example_gradients_in_the_loop_read_no_transposed_product_where_the_gate_applies():
+    """``clip_method='materialize'`` forms the per-example gradients of a dense layer in
+    the loop: where the gate applies no transpose reads a batched product there, and the
+    clipped sum matches the one from ``vmap(grad)``."""
+    w = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    x = jnp.sin(jnp.arange(8 * 5 * 3, dtype=jnp.float32)).reshape(8, 5, 3)
+    fn = micro_grad(_batch_of_one_loss, batch_argnums=1, microbatch_size=4, l2_clip_norm=0.5,
+                    clip_method="materialize")  # fmt: skip
+    transposed = _transposed_products(jax.make_jaxpr(fn)(w, x).jaxpr)
+    assert bool(transposed) != _workarounds.DOT_ORDER.applies(), transposed
+    per_example = jax.vmap(jax.grad(_batch_of_one_loss), (None, 0))(w, x[:, None])
+    norms = jnp.sqrt(jnp.sum(per_example.reshape(8, -1) ** 2, 1))
+    assert_close(fn(w, x)[0], jnp.tensordot(jnp.minimum(1.0, 0.5 / norms), per_example, 1))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measured on XLA:CPU")
+def test_a_transposed_per_example_product_leaves_ynnpack_where_the_gate_applies():
+    """The fault itself, read off the compiled programs: the per-example gradients of a
+    ``128 x 512`` dense layer over 64 examples of 64 rows, as JAX transposes them (a
+    product, then a transpose), compile to XLA's own dot with a transposed copy of the
+    cotangent; the product with its operands swapped compiles to a YNNPACK fusion."""
+    w = jax.ShapeDtypeStruct((128, 512), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 1, 64, 128), jnp.float32)
+
+    def as_jax(w, x):
+        g = jax.vmap(jax.grad(_batch_of_one_loss), (None, 0))(w, x)
+        return g, jnp.sum(g * g, axis=(1, 2))
+
+    def swapped(w, x):
+        program = jax.make_jaxpr(as_jax)(w, x)
+        return jaxpr_as_fun(_swapped_always(program))(w, x)
+
+    def product(f):
+        text = str(jax.jit(f).lower(w, x).compile().as_text())
+        lines = [line for line in text.splitlines() if re.search(r"= f32\[64,128,512\]", line)]
+        return ["ynn" if "__ynn_fusion" in line else "dot" for line in lines if "dot(" in line
+                or "__ynn_fusion" in line]  # fmt: skip
+
+    transposed, swapped_order = product(as_jax), product(swapped)
+    assert "ynn" in swapped_order, swapped_order
+    assert ("ynn" not in transposed) == _workarounds.DOT_ORDER.applies(), transposed
+
+
+def _swapped_always(program):
+    """``_dots.swapped`` with its gate on, on any backend."""
+    on = _workarounds.Workaround(jax.default_backend(), (), None, "")
+    saved, _workarounds.DOT_ORDER = _workarounds.DOT_ORDER, on
+    try:
+        return _dots.swapped(program)
+    finally:
+        _workarounds.DOT_ORDER = saved

@@ -23,6 +23,7 @@ from . import (
     _batch,
     _checks,
     _convs,
+    _dots,
     _eager,
     _layout,
     _programs,
@@ -316,7 +317,7 @@ def _trace(body: Function, loop: Loop) -> Programs:
                 if whole:
                     err.add_note(_WHOLE.format(size=batch.size, rows=loop.size, whole=whole))
             raise
-        return _squeeze.squeezed(_convs.canonical(program)), shapes
+        return _squeeze.squeezed(_dots.swapped(_convs.canonical(program))), shapes
 
     main, shapes = traced(
         [

@@ -132,23 +132,24 @@ def _value(value: Any, keep: list[Any]) -> Hashable:
 
 def calls(program: ClosedJaxpr, names: set[str]) -> bool:
     """Whether ``program`` applies a primitive named in ``names``, at any depth."""
-    return any(e.primitive.name in names for e in _equations(program.jaxpr))
+    return any(e.primitive.name in names for e in equations(program.jaxpr))
 
 
 def float_dtypes(program: ClosedJaxpr) -> set[Any]:
     """The floating dtypes of the values of ``program``, its inputs included, at any depth."""
     found = {v.aval.dtype for v in program.jaxpr.invars}
-    for e in _equations(program.jaxpr):
+    for e in equations(program.jaxpr):
         found |= {getattr(v.aval, "dtype", None) for v in e.outvars}
     return {d for d in found if d is not None and jnp.issubdtype(d, jnp.floating)}
 
 
-def _equations(jaxpr: Jaxpr) -> Iterator[Any]:
+def equations(jaxpr: Jaxpr) -> Iterator[Any]:
+    """Every equation of ``jaxpr``, each followed by those of the programs it calls."""
     for e in jaxpr.eqns:
         yield e
         for value in e.params.values():
             for inner in _jaxprs(value):
-                yield from _equations(inner)
+                yield from equations(inner)
 
 
 def _jaxprs(value: Any) -> Iterator[Jaxpr]:

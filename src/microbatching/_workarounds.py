@@ -14,6 +14,7 @@ that fixes one fails there, loudly, until ``fixed_in`` says so.
 | ``CONV_ORDER`` | cpu | 0.10.2 | ``_convs.canonical`` | transposes around convolutions |
 | ``BF16_BITS`` | cpu | 0.10.2 | ``_layout.reads_bits`` | a uint16 copy of the batch |
 | ``UNIT_REDUCE`` | cpu | 0.10.2 | ``_squeeze.squeezed`` | two reshapes (bitcasts) per reduction |
+| ``DOT_ORDER`` | cpu | 0.10.2 | ``_dots.swapped`` | none: the same product, operands swapped |
 
 Not gated, because they are not about one backend: the barrier of
 ``_ghost.gram_matrices`` (XLA's algebraic simplifier folds a sum of blocked Gram
@@ -90,4 +91,13 @@ UNIT_REDUCE = Workaround(
     "a reduction of an array with a dimension of size 1 (a per-example array of a batch of "
     "one, mapped) runs in YNNPACK about 10x slower than without that dimension: "
     "benchmarks/xla_unit_dim_reduce_repro.py",
+)
+DOT_ORDER = Workaround(
+    "cpu",
+    ("0.10.2",),
+    None,
+    "a batched product whose result is transposed (JAX's transpose of ``x @ w`` for "
+    "``w``'s per-example gradient) runs with a transposed copy of the cotangent in XLA's "
+    "dot emitter, not YNNPACK; a fifth of a clipped transformer step: "
+    "tests/test_workarounds.py",
 )
