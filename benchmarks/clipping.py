@@ -500,16 +500,26 @@ def against_measured(predicted: dict[str, int], seconds: dict[str, list[float]],
     return f"microbatch {size}: {cells} (faster: `{fastest}`)"
 
 
+NO_COSTS = "`auto` compared no costs here (`clipping_report` has no `predicted`)."
+
+
+def cost_model(predicted: dict[str, int]) -> tuple[str, str]:
+    """``clipping_report``'s ``predicted`` costs as text, and the method it finds cheapest."""
+    costs = ", ".join(f"`{name}` {flops:,}" for name, flops in predicted.items())
+    cheapest = min(predicted, key=lambda name: predicted[name])
+    return f"`auto`'s cost model, per example: {costs} flops", cheapest
+
+
 def predicted_line(predicted: dict[str, int], method: str, measured: list[str]) -> str:
     """The cost model's prediction (``clipping_report``'s ``predicted``) against the
     measured medians of the methods it compared."""
     if not predicted:
-        return "`auto` compared no costs here (`clipping_report` has no `predicted`)."
-    costs = ", ".join(f"`{name}` {flops:,}" for name, flops in predicted.items())
-    cheapest = min(predicted, key=lambda name: predicted[name])
+        return NO_COSTS
+    costs, cheapest = cost_model(predicted)
     return (
-        f"`auto`'s cost model, per example: {costs} flops; it predicts `{cheapest}` "
-        f"(and picks `{method}`). Measured: " + "; ".join(measured) + "."
+        f"{costs}; it predicts `{cheapest}` (and picks `{method}`). Measured: "
+        + "; ".join(measured)
+        + "."
     )
 
 

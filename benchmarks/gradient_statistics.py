@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from accumulation import Fn, ms, ratio, report  # benchmarks/ is on sys.path
 from clipping import (
+    NO_COSTS,
     OPTAX,
     Warm,
     Workload,
+    cost_model,
     interleaved,
     mlp_workload,
     optax_mb,
@@ -216,18 +218,17 @@ def predicted_line(
     """``auto``'s cost model (``clipping_report``'s ``predicted``) against the measured
     ratios of ``auto``'s choice and of the forced per-example path."""
     if not predicted:
-        return "`auto` compared no costs here (`clipping_report` has no `predicted`)."
-    costs = ", ".join(f"`{name}` {flops:,}" for name, flops in predicted.items())
-    cheapest = min(predicted, key=lambda name: predicted[name])
+        return NO_COSTS
+    costs, cheapest = cost_model(predicted)
     forced = "`micro_grad` materialize"
     if AUTO not in seconds or forced not in seconds:
-        return f"`auto`'s cost model, per example: {costs} flops; not every way was timed."
+        return f"{costs}; not every way was timed."
     mine = float(np.median(np.asarray(seconds[AUTO]) / np.asarray(base[AUTO])))
     theirs = float(np.median(np.asarray(seconds[forced]) / np.asarray(base[forced])))
     faster = method if mine <= theirs else "materialize"
     return (
-        f"`auto`'s cost model, per example: {costs} flops; it predicts `{cheapest}` and "
-        f"picks `{method}`. Measured, time / plain: `{method}` (auto) {mine:.2f}x, "
+        f"{costs}; it predicts `{cheapest}` and picks `{method}`. Measured, time / plain: "
+        f"`{method}` (auto) {mine:.2f}x, "
         f"`materialize` {theirs:.2f}x (faster: `{faster}`)."
     )
 

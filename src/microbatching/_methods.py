@@ -525,9 +525,8 @@ def _statistics_plan(
     sharded: bool,
 ) -> GradPlan | Declined:
     """The statistics method's plan where it reads ``transform_fn`` and ``metrics_fn``
-        (``_statistics.read``) and the ghost engine reads the loss; else why not
-    (``Declined``). The batch
-        is not empty."""
+    (``_statistics.read``) and the ghost engine reads the loss; else why not
+    (``Declined``). The batch is not empty."""
     if sharded or layout is not None:
         return Declined(
             "the batch is split over a mesh, and the statistics method does not lay its "

@@ -105,6 +105,11 @@ class Unvarying:
         )
 
 
+_SHAPES_NOTE = "micro_grad called fun with each example"
+"""How ``Examples._shapes_seen``'s note on an error begins: an error that has one is not
+given another."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Examples:
     """One example's loss and gradient, as ``micro_grad`` calls ``fun``."""
@@ -156,14 +161,14 @@ class Examples:
         seen = f" (an argument of shape {shape})" if shape is not None else ""
         if self.keep_batch_dim:
             return (
-                "micro_grad called fun with each example as a batch of one"
-                f"{seen}: keep_batch_dim=True, the default. If fun is written for a single "
-                "example, without a leading batch axis, pass keep_batch_dim=False."
+                f"{_SHAPES_NOTE} as a batch of one{seen}: keep_batch_dim=True, the "
+                "default. If fun is written for a single example, without a leading "
+                "batch axis, pass keep_batch_dim=False."
             )
         return (
-            "micro_grad called fun with each example without a batch axis"
-            f"{seen}: keep_batch_dim=False. If fun is written for a batch, indexing or "
-            "reducing over a leading batch axis, leave keep_batch_dim at its default, True."
+            f"{_SHAPES_NOTE} without a batch axis{seen}: keep_batch_dim=False. If fun "
+            "is written for a batch, indexing or reducing over a leading batch axis, "
+            "leave keep_batch_dim at its default, True."
         )
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -172,7 +177,7 @@ class Examples:
         except (TypeError, ValueError, IndexError) as err:
             # One note per error, whichever trace saw it first: a loss that raises the
             # same exception object each call (a module-level instance) keeps one.
-            if not any("micro_grad called fun" in n for n in getattr(err, "__notes__", [])):
+            if not any(n.startswith(_SHAPES_NOTE) for n in getattr(err, "__notes__", [])):
                 err.add_note(self._shapes_seen(args, kwargs))
             raise
         pair = isinstance(out, tuple | list)
