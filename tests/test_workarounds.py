@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.extend.core import jaxpr_as_fun
 
 from microbatching import _convs, _dots, _layout, _squeeze, _workarounds, micro_grad
@@ -347,6 +349,38 @@ def test_a_transposed_per_example_product_leaves_ynnpack_where_the_gate_applies(
     transposed, swapped_order = product(as_jax), product(swapped)
     assert "ynn" in swapped_order, swapped_order
     assert ("ynn" not in transposed) == _workarounds.DOT_ORDER.applies(), transposed
+
+
+@settings(max_examples=20)
+@given(
+    batch=st.integers(1, 3),
+    contracted=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    kept=st.tuples(st.integers(1, 4), st.integers(1, 4)),
+    order=st.permutations([0, 1, 2]),
+    dtype=st.sampled_from([jnp.float32, jnp.int32, jnp.complex64]),
+)
+def test_a_swapped_product_is_the_transposed_product(batch, contracted, kept, order, dtype):
+    """Any batched product with one kept dimension a side, its contracted dimensions in
+    any order on the right-hand side, read by a transpose (and a product of the same
+    operands not followed by one): the swap gives the same values, in integers exactly."""
+    k = len(contracted)
+    x = jnp.arange(batch * np.prod(contracted) * kept[0]) % 5 - 2
+    x = x.reshape(batch, *contracted, kept[0]).astype(dtype)
+    perm = [i for i in order if i < k]  # where x's i-th contracted dimension sits in y
+    y_shape = [batch, *[contracted[perm.index(j)] for j in range(k)], kept[1]]
+    y = (jnp.arange(int(np.prod(y_shape))) % 3 - 1).reshape(y_shape).astype(dtype)
+    numbers = ((tuple(range(1, k + 1)), tuple(1 + p for p in perm)), ((0,), (0,)))
+
+    def fun(x, y):
+        product = jax.lax.dot_general(x, y, numbers)
+        return jnp.transpose(product, (0, 2, 1)), product
+
+    program = jax.make_jaxpr(fun)(x, y)
+    rewritten = _swapped_always(program)
+    assert len(_transposed_products(rewritten.jaxpr)) == 0
+    for got, want in zip(jaxpr_as_fun(rewritten)(x, y), jaxpr_as_fun(program)(x, y), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)  # small integers: exact in any order
 
 
 def _swapped_always(program):
