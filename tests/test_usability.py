@@ -178,10 +178,12 @@ def test_nnx_batch_stats_merged_without_a_copy_get_a_hint():
 
 
 _BATCH_OF_ONE = (
-    "micro_grad called fun with each example as a batch of one (an argument of shape (1, 5)): "
-    "keep_batch_dim=True, the default. If fun is written for a single example, without a "
-    "leading batch axis, pass keep_batch_dim=False."
+    "micro_grad called fun with each example as a batch of one (batch_argnums={argnums}: "
+    "`x` of shape (1, 5){more}): keep_batch_dim=True, the default. If fun is written for a "
+    "single example, without a leading batch axis, pass keep_batch_dim=False; if one of "
+    "these arguments is not a batch of examples, leave it out of batch_argnums."
 )
+_X_AND_Y = _BATCH_OF_ONE.format(argnums=(1, 2), more=", `y` of shape (1,)")
 
 
 def _one_example_loss(w, x, y):
@@ -201,7 +203,7 @@ def test_a_loss_written_for_one_example_gets_a_note_naming_keep_batch_dim(clip):
     options = {"batch_argnums": (1, 2), "microbatch_size": 4, "l2_clip_norm": clip}
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions") as info:
         micro_grad(_one_example_loss, **options)(w, x, y)
-    assert info.value.__notes__.count(_BATCH_OF_ONE) == 1
+    assert info.value.__notes__.count(_X_AND_Y) == 1
     got, _ = micro_grad(_one_example_loss, keep_batch_dim=False, **options)(w, x, y)
     each = jax.vmap(jax.grad(_one_example_loss), (None, 0, 0))(w, x, y)
     if clip is not None:
@@ -217,7 +219,7 @@ def test_a_loss_of_shape_one_per_example_names_keep_batch_dim():
         micro_grad(_one_example_logits, batch_argnums=(1, 2), microbatch_size=4)(w, x, y)
     assert str(info.value) == (
         "micro_grad needs fun to return a scalar loss per example, but it returned shape "
-        "(1, 3) for each; reduce it to a scalar in fun. " + _BATCH_OF_ONE
+        "(1, 3) for each; reduce it to a scalar in fun. " + _X_AND_Y
     )
 
 
@@ -232,9 +234,11 @@ def test_a_loss_written_for_a_batch_given_keep_batch_dim_false_gets_the_other_no
         grad_fn(w, x, y)
     assert (
         info.value.__notes__.count(
-            "micro_grad called fun with each example without a batch axis (an argument of shape "
-            "(5,)): keep_batch_dim=False. If fun is written for a batch, indexing or reducing "
-            "over a leading batch axis, leave keep_batch_dim at its default, True."
+            "micro_grad called fun with each example without a batch axis (batch_argnums=(1, 2): "
+            "`x` of shape (5,), `y` of shape ()): keep_batch_dim=False. If fun is written for a "
+            "batch, indexing or reducing over a leading batch axis, leave keep_batch_dim at its "
+            "default, True; if one of these arguments is not a batch of examples, leave it out "
+            "of batch_argnums."
         )
         == 1
     )
@@ -244,7 +248,7 @@ def test_a_loss_of_any_other_shape_per_example_names_keep_batch_dim():
     w, x = random_array(0, (5, 3), jnp.float32), random_array(1, (8, 5), jnp.float32)
     with pytest.raises(TypeError) as info:
         micro_grad(lambda w, x: (x @ w)[0], microbatch_size=4)(w, x)
-    assert str(info.value).endswith(_BATCH_OF_ONE), str(info.value)
+    assert str(info.value).endswith(_BATCH_OF_ONE.format(argnums=1, more="")), str(info.value)
 
 
 def test_an_error_beside_an_argument_of_the_batch_size_passed_whole_names_it():
@@ -266,9 +270,53 @@ def test_an_error_beside_an_argument_of_the_batch_size_passed_whole_names_it():
         )
         == 1
     )
+    assert not any(n.startswith("microbatching: fun ran on microbatches of 16 rows of the "
+                                "batch arguments (") for n in info.value.__notes__)  # fmt: skip
     with pytest.raises(TypeError) as info:
         microbatch(loss, argnums=1, microbatch_size=16)(w, x, jnp.ones(5))
     assert not any("whole" in note for note in getattr(info.value, "__notes__", []))
+
+
+_SPLIT_NOTE = (
+    "microbatching: fun ran on microbatches of 4 rows of the batch arguments ({split}). If one "
+    "of them is not a batch, leave it out of the batch arguments: argnums (microbatch), "
+    "in_axes (micro_vmap) or batch_argnums (micro_grad)."
+)
+
+
+def test_an_error_with_the_parameters_split_names_the_split_arguments():
+    """``jax.grad(microbatch(loss, argnums=0))``, the parameters split where the data
+    were meant (``argnums`` read as ``jax.grad``'s): JAX's shape error gains one note
+    naming what was split and how ``fun`` saw it; so does ``micro_vmap``'s."""
+    w, x, y = jnp.ones(16), jnp.ones((64, 16)), jnp.ones(64)
+
+    def loss(w, x, y):
+        return jnp.mean((x @ w - y) ** 2)
+
+    with pytest.raises(TypeError, match="dot_general requires contracting") as info:
+        jax.grad(microbatch(loss, argnums=0, microbatch_size=4))(w, x, y)
+    assert info.value.__notes__.count(_SPLIT_NOTE.format(split="`w` as shape (4,)")) == 1
+    with pytest.raises(ValueError, match="matmul input operand") as info:
+        micro_vmap(lambda p, x: x @ p["w"] + p["b"], in_axes=(0, None), microbatch_size=4)(
+            {"w": w, "b": jnp.ones(16)}, x
+        )
+    split = "`p['b']` as shape (4,), `p['w']` as shape (4,)"
+    assert info.value.__notes__.count(_SPLIT_NOTE.format(split=split)) == 1, info.value.__notes__
+
+
+def test_micro_grad_with_the_parameters_split_names_them_and_batch_argnums():
+    """``batch_argnums=0`` where the data were meant: the loss's shape error gains one
+    note, naming ``w`` as split and ``batch_argnums``, and not the loop's note too."""
+    w, x, y = jnp.ones(16), jnp.ones((64, 16)), jnp.ones(64)
+
+    def loss(w, x, y):
+        return jnp.mean((x @ w - y) ** 2)
+
+    with pytest.raises(TypeError, match="dot_general requires contracting") as info:
+        micro_grad(loss, batch_argnums=0, microbatch_size=4)(w, x, y)
+    ours = [n for n in info.value.__notes__ if n.startswith(("micro", "microbatching:"))]
+    assert ours == [_BATCH_OF_ONE.format(argnums=0, more="").replace("`x` of shape (1, 5)",
+                                                                    "`w` of shape (1,)")]  # fmt: skip
 
 
 def test_version_matches_the_package_metadata():

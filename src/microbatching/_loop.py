@@ -33,7 +33,7 @@ from . import (
     _squeeze,
 )
 from ._batch import Batch
-from ._signature import BatchAxes
+from ._signature import SHAPES_NOTE, BatchAxes
 from ._typing import Function
 from ._wrap import Settings
 
@@ -314,8 +314,11 @@ def _trace(body: Function, loop: Loop) -> Programs:
                 err.add_note(STATE_HINT)
             elif isinstance(err, TypeError | ValueError | IndexError):
                 whole = _whole_batch_sized(batch)
+                notes = getattr(err, "__notes__", [])
                 if whole:
                     err.add_note(_WHOLE.format(size=batch.size, rows=loop.size, whole=whole))
+                elif not any(n.startswith((SHAPES_NOTE, _SPLIT_START)) for n in notes):
+                    err.add_note(_split(batch, loop.size))
             raise
         return _squeeze.squeezed(_dots.swapped(_convs.canonical(program))), shapes
 
@@ -337,6 +340,27 @@ _WHOLE = (
     "batch, add it to the batch arguments: argnums (microbatch), in_axes (micro_vmap) or "
     "batch_argnums (micro_grad)."
 )
+
+
+_SPLIT_START = "microbatching: fun ran on microbatches of"
+_SPLIT = (
+    _SPLIT_START + " {rows} rows of the batch arguments ({split}). If one of them is not "
+    "a batch, leave it out of the batch arguments: argnums (microbatch), in_axes "
+    "(micro_vmap) or batch_argnums (micro_grad)."
+)
+
+
+def _split(batch: Batch, rows: int) -> str:
+    """The note on an error inside ``fun`` with no argument left whole at the batch's
+    size: the arguments split into microbatches, as ``fun`` saw them (up to four)."""
+    seen = [
+        f"`{batch.labels[i]}` as shape "
+        f"{_layout.microbatch_struct(batch.leaves[i], batch.axes[i] or 0, rows).shape}"
+        for i in batch.batched
+        if i != batch.weights
+    ]
+    listed = ", ".join(seen[:4]) + (", ..." if len(seen) > 4 else "")
+    return _SPLIT.format(rows=rows, split=listed)
 
 
 def _whole_batch_sized(batch: Batch) -> str:

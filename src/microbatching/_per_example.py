@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _accumulators, _clipping, _ghost, _layout, _programs, _sharding, _statistics, _vmap
-from ._signature import WEIGHTS, BatchAxes
+from ._signature import SHAPES_NOTE, WEIGHTS, BatchAxes
 from ._typing import Function, PyTree
 
 
@@ -105,11 +105,6 @@ class Unvarying:
         )
 
 
-_SHAPES_NOTE = "micro_grad called fun with each example"
-"""How ``Examples._shapes_seen``'s note on an error begins: an error that has one is not
-given another."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Examples:
     """One example's loss and gradient, as ``micro_grad`` calls ``fun``."""
@@ -147,28 +142,32 @@ class Examples:
 
     def _shapes_seen(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The note on an error that ``fun`` raised, or a shape it returned: how it saw
-        each example (``keep_batch_dim``), and the fix where that was the cause, the
-        usual one for a loss written for one example or for a batch."""
-        shape = next(
-            (
-                tuple(np.shape(leaf))
-                for where, value in (*enumerate(args), *kwargs.items())
-                if self.axes.position(where) is not None and self.axes.spec(where) is not None
-                for leaf in jax.tree.leaves(value)
-            ),
-            None,
+        each example (``keep_batch_dim``) and which arguments were split into examples,
+        and the fixes where that was the cause: the usual ones for a loss written for one
+        example or for a batch, or for an argument split that is not a batch."""
+        seen = [
+            f"`{self.axes.label(where)}` of shape {tuple(np.shape(leaves[0]))}"
+            for where, value in (*enumerate(args), *kwargs.items())
+            if self.axes.position(where) is not None and self.axes.spec(where) is not None
+            for leaves in [jax.tree.leaves(value)]
+            if leaves
+        ]
+        listed = ", ".join(seen[:4]) + (", ..." if len(seen) > 4 else "")
+        which = f" ({self.axes.set_by}: {listed})" if seen else ""
+        argument = self.axes.set_by.split("=")[0]
+        split = (
+            f"; if one of these arguments is not a batch of examples, leave it out of {argument}"
         )
-        seen = f" (an argument of shape {shape})" if shape is not None else ""
         if self.keep_batch_dim:
             return (
-                f"{_SHAPES_NOTE} as a batch of one{seen}: keep_batch_dim=True, the "
+                f"{SHAPES_NOTE} as a batch of one{which}: keep_batch_dim=True, the "
                 "default. If fun is written for a single example, without a leading "
-                "batch axis, pass keep_batch_dim=False."
+                f"batch axis, pass keep_batch_dim=False{split if seen else ''}."
             )
         return (
-            f"{_SHAPES_NOTE} without a batch axis{seen}: keep_batch_dim=False. If fun "
+            f"{SHAPES_NOTE} without a batch axis{which}: keep_batch_dim=False. If fun "
             "is written for a batch, indexing or reducing over a leading batch axis, "
-            "leave keep_batch_dim at its default, True."
+            f"leave keep_batch_dim at its default, True{split if seen else ''}."
         )
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -177,7 +176,7 @@ class Examples:
         except (TypeError, ValueError, IndexError) as err:
             # One note per error, whichever trace saw it first: a loss that raises the
             # same exception object each call (a module-level instance) keeps one.
-            if not any(n.startswith(_SHAPES_NOTE) for n in getattr(err, "__notes__", [])):
+            if not any(n.startswith(SHAPES_NOTE) for n in getattr(err, "__notes__", [])):
                 err.add_note(self._shapes_seen(args, kwargs))
             raise
         pair = isinstance(out, tuple | list)

@@ -98,6 +98,11 @@ class Signature:
         return where if isinstance(where, str) else f"args[{where}]"
 
 
+SHAPES_NOTE = "micro_grad called fun with each example"
+"""How ``micro_grad``'s note on an error inside ``fun`` begins (``_per_example``): an
+error that has one is given no other note of how ``fun`` saw the batch."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchAxes:
     """Which arguments of ``fun`` carry a batch axis, and on which axis.
