@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.extend.core import jaxpr_as_fun
 
-from microbatching import _convs, _dots, _layout, _squeeze, _workarounds, micro_grad
+from microbatching import _convs, _dots, _layout, _squeeze, _workarounds, micro_grad, micro_vmap
 
 from .strategies import assert_close, equations
 
@@ -381,6 +381,54 @@ def test_a_swapped_product_is_the_transposed_product(batch, contracted, kept, or
     for got, want in zip(jaxpr_as_fun(rewritten)(x, y), jaxpr_as_fun(program)(x, y), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)  # small integers: exact in any order
+
+
+def test_rewritten_programs_keep_a_linear_solves_named_programs():
+    """A per-example ``gmres`` on a matrix right-hand side (its derived transposed
+    operator is a transposed batched product under ``vmap``) and a ``custom_linear_solve``
+    whose operator reduces an array with a dimension of size 1: the loop's rewrites reach
+    inside the solve's programs and keep them a named tuple (``jaxprs.solve``), where a
+    plain tuple crashed (breaker, session 13); values as ``vmap`` gives them."""
+    from jax.scipy.sparse.linalg import gmres
+
+    def loss(w, x):  # one example: x of shape (4, 3)
+        a = w @ w.T + 3 * jnp.eye(4) + x @ x.T
+        y, _ = gmres(lambda v: a @ v, x)
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 4)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (8, 4, 3))
+    each = jax.vmap(jax.grad(loss), (None, 0))(w, x)
+    norms = jnp.sqrt(jnp.sum(each.reshape(8, -1) ** 2, 1))
+    fn = micro_grad(loss, microbatch_size=4, l2_clip_norm=0.1, clip_method="materialize",
+                    keep_batch_dim=False)  # fmt: skip
+    assert_close(fn(w, x)[0], jnp.tensordot(jnp.minimum(1.0, 0.1 / norms), each, 1), factor=100)
+
+    def solve(a, b):
+        def matvec(v):
+            return a @ v + 0.0 * jnp.sum(v[None], axis=1)  # a reduction of (1, 4, 3)
+
+        return jax.lax.custom_linear_solve(matvec, b, lambda _, r: jnp.linalg.solve(a, r))
+
+    a = jax.random.normal(jax.random.key(2), (8, 4, 4)) + 4 * jnp.eye(4)[None]
+    b = jax.random.normal(jax.random.key(3), (8, 4, 3))
+    assert_close(micro_vmap(solve, microbatch_size=4)(a, b), jax.vmap(solve)(a, b), factor=100)
+
+
+def test_a_swapped_product_swaps_its_operands_precisions():
+    def fun(x, y):
+        precision = (jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT)
+        product = jax.lax.dot_general(x, y, (((1,), (1,)), ((0,), (0,))), precision=precision)
+        return jnp.swapaxes(product, 1, 2)
+
+    program = jax.make_jaxpr(fun)(jnp.ones((2, 3, 4)), jnp.ones((2, 3, 5)))
+    (swap,) = [
+        e
+        for e, _ in equations(_swapped_always(program).jaxpr)
+        if e.outvars[0].aval.shape == (2, 5, 4)
+    ]
+    assert swap.primitive.name == "dot_general"
+    assert swap.params["precision"] == (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST)
 
 
 def _swapped_always(program):

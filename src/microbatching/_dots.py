@@ -52,6 +52,9 @@ def swapped(program: ClosedJaxpr) -> ClosedJaxpr:
         x, y = product.invars
         (lhs, rhs), (lhs_batch, rhs_batch) = product.params["dimension_numbers"]
         params = {**product.params, "dimension_numbers": ((rhs, lhs), (rhs_batch, lhs_batch))}
+        precision = product.params.get("precision")
+        if isinstance(precision, tuple):  # one per operand: swapped with them
+            params["precision"] = precision[::-1]
         context = product.effects, product.source_info, product.ctx
         return [new_jaxpr_eqn([y, x], list(eqn.outvars), _DOT, params, *context)]
 

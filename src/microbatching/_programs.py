@@ -201,7 +201,12 @@ def _rewritten_params(params: dict[str, Any], replace: Replacement) -> dict[str,
         changed = True
         return ClosedJaxpr(new, v.consts) if isinstance(v, ClosedJaxpr) else new
 
-    out = {
-        k: tuple(one(x) for x in v) if isinstance(v, tuple) else one(v) for k, v in params.items()
-    }
+    out = {k: _same_tuple(v, [one(x) for x in v]) if isinstance(v, tuple) else one(v)
+           for k, v in params.items()}  # fmt: skip
     return out if changed else None
+
+
+def _same_tuple(original: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
+    """``items`` as a tuple of ``original``'s type: a named tuple stays one
+    (``custom_linear_solve`` reads its programs by name, ``jaxprs.solve``)."""
+    return type(original)(*items) if hasattr(original, "_fields") else tuple(items)
