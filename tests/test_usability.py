@@ -319,6 +319,31 @@ def test_micro_grad_with_the_parameters_split_names_them_and_batch_argnums():
                                                                     "`w` of shape (1,)")]  # fmt: skip
 
 
+def test_the_notes_list_the_first_four_split_arguments_then_an_ellipsis():
+    """Six arguments split by mistake: both notes name the first four, then ``...``."""
+    params = {name: jnp.ones(16) for name in "abcdef"}
+    x = jnp.ones((64, 16))
+
+    def loss(p, x):
+        return jnp.mean(x @ sum(p.values()))
+
+    four = ", ".join(f"`p['{name}']` as shape (4,)" for name in "abcd") + ", ..."
+    with pytest.raises(TypeError, match="dot_general requires contracting") as info:
+        microbatch(loss, argnums=0, microbatch_size=4)(params, x)
+    assert info.value.__notes__.count(_SPLIT_NOTE.format(split=four)) == 1, info.value.__notes__
+
+    def flat(a, b, c, d, e, x):
+        return jnp.mean(x @ (a + b + c + d + e))
+
+    with pytest.raises(TypeError, match="dot_general requires contracting") as info:
+        micro_grad(flat, batch_argnums=(0, 1, 2, 3, 4, 5), microbatch_size=4)(
+            *[jnp.ones(64)] * 5, jnp.ones((64, 64))
+        )
+    listed = ", ".join(f"`{name}` of shape (1,)" for name in "abcd") + ", ..."
+    assert any(f"(batch_argnums=(0, 1, 2, 3, 4, 5): {listed})" in n for n in
+               info.value.__notes__), info.value.__notes__  # fmt: skip
+
+
 def test_version_matches_the_package_metadata():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert microbatching.__version__ == pyproject["project"]["version"]

@@ -33,7 +33,7 @@ from . import (
     _squeeze,
 )
 from ._batch import Batch
-from ._signature import SHAPES_NOTE, BatchAxes
+from ._signature import SHAPES_NOTE, BatchAxes, first_few
 from ._typing import Function
 from ._wrap import Settings
 
@@ -359,8 +359,7 @@ def _split(batch: Batch, rows: int) -> str:
         for i in batch.batched
         if i != batch.weights
     ]
-    listed = ", ".join(seen[:4]) + (", ..." if len(seen) > 4 else "")
-    return _SPLIT.format(rows=rows, split=listed)
+    return _SPLIT.format(rows=rows, split=first_few(seen))
 
 
 def _whole_batch_sized(batch: Batch) -> str:

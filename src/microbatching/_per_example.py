@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _accumulators, _clipping, _ghost, _layout, _programs, _sharding, _statistics, _vmap
-from ._signature import SHAPES_NOTE, WEIGHTS, BatchAxes
+from ._signature import SHAPES_NOTE, WEIGHTS, BatchAxes, first_few
 from ._typing import Function, PyTree
 
 
@@ -152,22 +152,23 @@ class Examples:
             for leaves in [jax.tree.leaves(value)]
             if leaves
         ]
-        listed = ", ".join(seen[:4]) + (", ..." if len(seen) > 4 else "")
-        which = f" ({self.axes.set_by}: {listed})" if seen else ""
+        which = f" ({self.axes.set_by}: {first_few(seen)})" if seen else ""
         argument = self.axes.set_by.split("=")[0]
         split = (
             f"; if one of these arguments is not a batch of examples, leave it out of {argument}"
+            if seen
+            else ""
         )
         if self.keep_batch_dim:
             return (
                 f"{SHAPES_NOTE} as a batch of one{which}: keep_batch_dim=True, the "
                 "default. If fun is written for a single example, without a leading "
-                f"batch axis, pass keep_batch_dim=False{split if seen else ''}."
+                f"batch axis, pass keep_batch_dim=False{split}."
             )
         return (
             f"{SHAPES_NOTE} without a batch axis{which}: keep_batch_dim=False. If fun "
             "is written for a batch, indexing or reducing over a leading batch axis, "
-            f"leave keep_batch_dim at its default, True{split if seen else ''}."
+            f"leave keep_batch_dim at its default, True{split}."
         )
 
     def _loss(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:

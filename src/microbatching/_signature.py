@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -101,6 +101,12 @@ class Signature:
 SHAPES_NOTE = "micro_grad called fun with each example"
 """How ``micro_grad``'s note on an error inside ``fun`` begins (``_per_example``): an
 error that has one is given no other note of how ``fun`` saw the batch."""
+
+
+def first_few(items: Sequence[str], most: int = 4) -> str:
+    """``items`` joined by commas, the first ``most`` of them, then ``...`` for the rest:
+    the arguments that an error's note lists."""
+    return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
 
 
 @dataclasses.dataclass(frozen=True)
