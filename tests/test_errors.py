@@ -53,6 +53,39 @@ def test_argnums_not_ints():
         microbatch(pair, "x", 4)  # pyright: ignore[reportArgumentType]
 
 
+@pytest.mark.parametrize(
+    "transform, keyword, value, says",
+    [
+        (microbatch, "batch_argnums", 1, "microbatch names its batch arguments by argnums="),
+        (micro_vmap, "argnums", 1, "micro_vmap takes its batch axes as in_axes=, as jax.vmap"),
+        (micro_vmap, "batch_argnums", 1, "(in_axes=(None, 0) for fun(params, x))"),
+        (micro_grad, "in_axes", (None, 0), "micro_grad names its batch arguments by batch_argn"),
+        (micro_grad, "argnames", "y", "its argnums= are the parameters differentiated"),
+    ],
+)
+def test_another_transforms_keyword_for_the_batch_names_our_own(transform, keyword, value, says):
+    """A keyword for the batch arguments that only another transform takes (code moved
+    from micro_grad to microbatch) is named, with its value, and our own way."""
+    with pytest.raises(TypeError) as info:
+        transform(pair, microbatch_size=4, **{keyword: value})
+    message = str(info.value)
+    assert message.startswith(f"{transform.__name__} takes no argument {keyword}= (given "), message
+    assert f"(given {value!r}): " in message and says in message, message
+
+
+def test_transforms_keep_their_signatures_and_names():
+    import inspect
+
+    assert list(inspect.signature(microbatch).parameters)[:3] == [
+        "fun",
+        "argnums",
+        "microbatch_size",
+    ]
+    assert [t.__name__ for t in (microbatch, micro_vmap, micro_grad)] == [
+        "microbatch", "micro_vmap", "micro_grad"
+    ]  # fmt: skip
+
+
 def test_argnums_repeated():
     with pytest.raises(ValueError, match=r"argnums must not repeat an index, got argnums=\(0, 0\)"):
         microbatch(pair, (0, 0), 4)

@@ -1,5 +1,6 @@
 """Microbatching for JAX: run a function, a vmap or per-example gradients over a batch
-larger than device memory, one microbatch at a time, inside one compiled program."""
+one microbatch at a time, inside one compiled program, where the whole batch's
+activations, gradients or per-example results would not fit in device memory at once."""
 
 from ._accumulators import AccumulationType as AccumulationType
 from ._accumulators import Accumulator as Accumulator

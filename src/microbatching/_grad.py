@@ -31,6 +31,7 @@ from ._typing import AccumulatorTree, ClipMethod, Count, GatherParams, P, PyTree
 from ._wrap import Settings, wraps
 
 
+@_signature.other_transforms_names
 def micro_grad(
     fun: Callable[P, Any],
     has_aux: bool = False,

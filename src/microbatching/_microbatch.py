@@ -12,6 +12,7 @@ from ._typing import AccumulatorTree, Count, InAxes, P
 from ._wrap import Settings, wraps
 
 
+@_signature.other_transforms_names
 def microbatch(
     fun: Callable[P, Any],
     argnums: int | tuple[int, ...] | list[int],

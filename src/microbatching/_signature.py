@@ -8,15 +8,19 @@ argument that names a positional parameter is treated as that parameter, so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from . import _checks
 from ._typing import AxisSpec, Function
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 WEIGHTS = "example_weights"
 """The keyword of the per-example weights that ``micro_vmap`` and ``micro_grad`` take."""
@@ -101,6 +105,47 @@ class Signature:
 SHAPES_NOTE = "micro_grad called fun with each example"
 """How ``micro_grad``'s note on an error inside ``fun`` begins (``_per_example``): an
 error that has one is given no other note of how ``fun`` saw the batch."""
+
+
+BATCH_NAMES = {
+    "microbatch": (
+        "microbatch names its batch arguments by argnums= (positions) or argnames= "
+        "(names), and their axes by in_axes="
+    ),
+    "micro_vmap": (
+        "micro_vmap takes its batch axes as in_axes=, as jax.vmap does: an axis for each "
+        "batch argument, None for one that is not a batch (in_axes=(None, 0) for "
+        "fun(params, x))"
+    ),
+    "micro_grad": (
+        "micro_grad names its batch arguments by batch_argnums= (positions); its argnums= "
+        "are the parameters differentiated, as jax.grad's"
+    ),
+}
+"""How each transform names its batch arguments: the fix for a keyword that another
+transform takes (``batch_argnums=`` passed to ``microbatch``)."""
+
+_OTHERS = ("argnums", "argnames", "in_axes", "batch_argnums")
+
+
+def other_transforms_names(fun: F) -> F:
+    """``fun`` (a transform), raising a ``TypeError`` that names its own way where a
+    call passes a keyword for the batch arguments that only another transform takes;
+    Python's own error names the keyword alone."""
+    own = set(inspect.signature(fun).parameters)
+    foreign = [name for name in _OTHERS if name not in own]
+
+    @functools.wraps(fun)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for name in foreign:
+            if name in kwargs:
+                raise TypeError(
+                    f"{fun.__name__} takes no argument {name}= (given {kwargs[name]!r}): "
+                    f"{BATCH_NAMES[fun.__name__]}."
+                )
+        return fun(*args, **kwargs)
+
+    return typing.cast(F, call)
 
 
 def first_few(items: Sequence[str], most: int = 4) -> str:

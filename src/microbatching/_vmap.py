@@ -16,6 +16,7 @@ from ._typing import AccumulatorTree, Count, Function, InAxes, P, VmapFn
 from ._wrap import Settings, wraps
 
 
+@_signature.other_transforms_names
 def micro_vmap(
     fun: Callable[P, Any],
     in_axes: InAxes = 0,
