@@ -211,9 +211,36 @@ def test_accumulator_not_a_prefix_of_the_output():
     acc = (AccumulationType.SUM, AccumulationType.CONCAT, AccumulationType.SUM)
     with pytest.raises(
         ValueError,
-        match=r"The accumulator structure .* is not a pytree prefix of fun's output structure",
+        match=r"The accumulator structure .* is not a pytree prefix of the structure of "
+        r"fun's output, PyTreeDef\(\(\*, \*\)\); give one accumulator",
     ):
         microbatch(fun, 0, 4, acc)(X)
+
+
+@pytest.mark.parametrize(
+    "accumulator, transform, structure",
+    [
+        ({"a": AccumulationType.SUM}, lambda g: (g, g), r"\(\*, \*\)"),
+        ((AccumulationType.SUM,) * 3, lambda g: (g, g), r"\(\*, \*\)"),
+        ((AccumulationType.MEAN,) * 2, lambda g: g, r"\*"),
+    ],
+    ids=["dict for a tuple", "three for two", "a tuple for one array"],
+)
+def test_micro_grad_accumulator_not_a_prefix_of_the_transform_output(
+    accumulator, transform, structure
+):
+    """Named at the call, against transform_fn's output, not the loop's pair of outputs
+    (breaker round 23: JAX's 'Expected dict, got (JitTracer...)' before)."""
+    loss = lambda p, x: jnp.sum((x @ p) ** 2)  # noqa: E731
+    fn = micro_grad(loss, microbatch_size=4, accumulator=accumulator, transform_fn=transform)
+    with pytest.raises(
+        ValueError,
+        match=r"^The accumulator structure PyTreeDef\(.*\) is not a pytree prefix of the "
+        r"structure of transform_fn's output \(the gradient by default\), PyTreeDef\("
+        + structure
+        + r"\); give one accumulator, or a tree that matches the output",
+    ):
+        fn(jnp.ones((3, 2)), jnp.ones((8, 3)))
 
 
 def test_accumulator_leaf_of_the_wrong_type():

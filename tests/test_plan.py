@@ -167,6 +167,22 @@ def test_batch_size_is_inferred_when_the_arguments_agree():
     assert [row.microbatch_size for row in result.table] == [1, 2, 4, 8, 16, 32, 64]
 
 
+def test_a_batch_size_that_disagrees_with_the_arguments_is_named():
+    """batch_size=5 beside a batch of 64 rows that micro_grad finds: plan says so, where
+    the loop's own error named a microbatch_size=5 the user never passed (breaker round
+    23). Under jax.vmap, where the function cannot find its batch, batch_size is taken."""
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"plan was given batch_size=5, but build's function finds a batch of {BATCH} rows "
+            f"in the example arguments, and would split that one; pass batch_size={BATCH}, "
+            "or leave batch_size out to have it found."
+        ),
+    ):
+        plan(_micro_grad, PARAMS, X, Y, memory_budget=HUGE, batch_size=5)
+    assert plan(_micro_grad, PARAMS, X, Y, memory_budget=HUGE, batch_size=BATCH).batch_size == BATCH
+
+
 def _micro_grad(m):
     return micro_grad(_loss, batch_argnums=(1, 2), microbatch_size=m, accumulator=MEAN)
 

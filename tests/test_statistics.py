@@ -6,6 +6,7 @@ function and the sum or mean."""
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -308,6 +309,31 @@ def test_an_unread_transform_takes_the_per_example_path(transform, why):
     assert report.statistics == ()
     got, _ = jax.jit(fn)(model.params, *model.batch)
     assert_close(got, reference(per_example_grads(model), transform), terms=2)
+
+
+@pytest.mark.parametrize(
+    "transform, constant, method",
+    [
+        (lambda g: 1.0, 1.0, "statistics"),
+        (lambda g: 2, 2, "materialize"),  # an integer output is not read
+        (lambda g: (g, 3.0), 3.0, "statistics"),
+    ],
+    ids=["python float", "python int", "a float beside the gradient"],
+)
+@pytest.mark.parametrize("accumulator", [SUM, MEAN], ids=["sum", "mean"])
+def test_python_numbers_from_the_transform_are_constants(transform, constant, method, accumulator):
+    """A transform_fn that returns a Python number (optax takes it: the constant summed
+    over the examples) is read as a constant, with the per-example path's value and
+    dtype; before, ``auto`` raised an AttributeError (breaker round 23)."""
+    model = mlp()
+    fn = grad_fn(model, transform, accumulator=accumulator, clip_method="auto")
+    assert microbatching.clipping_report(fn, model.params, *model.batch).method == method
+    forced = grad_fn(model, transform, clip_method="materialize", accumulator=accumulator)
+    got, want = fn(model.params, *model.batch)[0], forced(model.params, *model.batch)[0]
+    assert jax.tree.map(jnp.result_type, got) == jax.tree.map(jnp.result_type, want)
+    assert_close(got, want)
+    rows = len(model.batch[0])
+    assert float(jax.tree.leaves(got)[-1]) == constant * (1 if accumulator == MEAN else rows)
 
 
 def test_materialize_can_be_forced():
@@ -675,3 +701,34 @@ def test_statistics_asked_for_a_transform_it_cannot_read():
         r"leaf\. Pass clip_method='auto'",
     ):
         fn(model.params, *model.batch)
+
+
+def test_an_output_of_one_array_is_named_without_a_path():
+    """A loss of one parameter array and a transform or metric of one array: the
+    messages and ``clipping_report`` have no empty path in them (breaker round 23)."""
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p) ** 2)
+
+    p, x = jnp.ones((3, 2)), jnp.ones((8, 3))
+    cases = [
+        (dict(transform_fn=lambda g: g.sum() * g), "transform_fn's output needs each example's"),
+        (dict(metrics_fn=lambda g: jnp.sum(g**2)), "metrics_fn's output is not linear in the"),
+    ]
+    for options, says in cases:
+        fn = micro_grad(loss, microbatch_size=4, clip_method="statistics", **options)
+        with pytest.raises(ValueError, match=re.escape(says)):
+            fn(p, x)
+    report = microbatching.clipping_report(
+        micro_grad(loss, microbatch_size=4, l2_clip_norm=1.0), p, x
+    )
+    assert [leaf.path for leaf in report.leaves] == [""]
+    assert str(report).splitlines()[2].split() == [
+        "(one",
+        "array)",
+        "(3,",
+        "2)",
+        "dense",
+        "rows",
+        "dot_general",
+    ]

@@ -501,16 +501,24 @@ def combine(
     )
 
 
-def _split(treedef: Any, tree: PyTree) -> list[Any]:
-    """``tree`` cut into the subtrees that the accumulator tree's leaves apply to."""
+def _split(treedef: Any, tree: PyTree, of: str = "fun's output") -> list[Any]:
+    """``tree`` cut into the subtrees that the accumulator tree's leaves apply to; a
+    ``ValueError`` naming both structures and what ``tree`` is (``of``) where it cannot."""
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as err:
         raise ValueError(
-            f"The accumulator structure {treedef} is not a pytree prefix of fun's output "
-            f"structure {jax.tree.structure(tree)}; give one accumulator, or a tree that "
+            f"The accumulator structure {treedef} is not a pytree prefix of the structure "
+            f"of {of}, {jax.tree.structure(tree)}; give one accumulator, or a tree that "
             "matches the output down to where each accumulator applies."
         ) from err
+
+
+def check_prefix(accumulator: Any, tree: PyTree, of: str) -> None:
+    """Raises ``_split``'s error where the accumulator tree is not a prefix of ``tree``
+    (``of`` says what it is, for the message)."""
+    _, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
+    _split(treedef, tree, of)
 
 
 def kinds(accumulator: Any) -> list[AccumulationType | Accumulator]:
@@ -587,7 +595,7 @@ def averages_rows(accumulator: Any) -> bool:
 def per_row(accumulator: Any, sums: PyTree, rows: int) -> PyTree:
     """A microbatch's aggregate from the sum of its rows: divided by ``rows`` for means."""
     specs, treedef = jax.tree.flatten(accumulator, is_leaf=_is_spec)
-    parts = treedef.flatten_up_to(sums)
+    parts = _split(treedef, sums)
     factor = 1 / rows if rows else float("nan")  # the mean of no rows
     scaled = [
         part

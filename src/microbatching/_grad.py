@@ -300,6 +300,11 @@ class _Calls:
         example, settings = request.example, request.settings
         args, kwargs = example.axes.to_positions(args, kwargs)
         example.check_differentiable(args)
+        if not isinstance(request.accumulators, AccumulationType | _accumulators.Accumulator):
+            shapes = jax.eval_shape(request.transform, _per_example.gradient_shapes(example, args))
+            _accumulators.check_prefix(
+                request.accumulators, shapes, "transform_fn's output (the gradient by default)"
+            )
         unvarying = example.unvarying(args, kwargs, weights)
         if unvarying is not None and request.per_example_reason is not None:
             raise unvarying.error(request.per_example_reason)

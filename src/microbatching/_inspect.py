@@ -117,7 +117,8 @@ class ClippingReport:
         head = f"method: {self.method} ({self.reason})"
         share = ", ".join(f"{rule} {100 * f:.1f}%" for rule, f in self.coverage().items())
         rows = [
-            f"  {leaf.path:<40} {leaf.shape!s:<16} {leaf.rule:<10} {leaf.form:<8} "
+            f"  {leaf.path or '(one array)':<40} {leaf.shape!s:<16} {leaf.rule:<10} "
+            f"{leaf.form:<8} "
             f"{'+'.join(leaf.sites)}"
             for leaf in self.leaves
         ]

@@ -362,9 +362,22 @@ def _batch_size(
     labels: list[str],
     specs: list[jax.ShapeDtypeStruct],
 ) -> int:
-    """``batch_size`` checked, or found in the example arguments by ``build``'s function."""
+    """``batch_size`` checked, or found in the example arguments by ``build``'s function.
+    Given where that function finds another size in them, a ``ValueError``: the loop
+    would split that one (its own error would name ``microbatch_size`` instead)."""
     if batch_size is not None:
-        return _ensure_batch_size(batch_size)
+        given = _ensure_batch_size(batch_size)
+        try:
+            found = None if batching is None else batching.batch_size(*example)
+        except (TypeError, ValueError):  # shapes of another making (under jax.vmap)
+            found = None
+        if found is not None and found != given:
+            raise ValueError(
+                f"plan was given batch_size={given}, but build's function finds a batch "
+                f"of {found} rows in the example arguments, and would split that one; "
+                f"pass batch_size={found}, or leave batch_size out to have it found."
+            )
+        return given
     if batching is None:
         return _leading_size(labels, specs)
     try:

@@ -357,6 +357,12 @@ def _read_values(fn: Callable[[PyTree], PyTree], grads: PyTree) -> tuple[list[_V
     return _walk(closed, given, shapes), jax.tree.structure(shape), shape
 
 
+def _named(path: str) -> str:
+    """An output leaf's path for a message, after a space; nothing for an output that is
+    one array (whose path is empty)."""
+    return f" {path}" if path else ""
+
+
 def read(
     transform: Callable[[PyTree], PyTree],
     metrics: Callable[[PyTree], PyTree] | None,
@@ -374,11 +380,11 @@ def read(
     outputs = []
     for path, value, out in zip(paths, values, outs, strict=True):
         if not jnp.issubdtype(out.dtype, jnp.floating):
-            return f"transform_fn's output {path} is {out.dtype}, not a float"
+            return f"transform_fn's output{_named(path)} is {out.dtype}, not a float"
         statistic = _form(path, value, rules, sites)
         if statistic is None:
             return (
-                f"transform_fn's output {path} needs each example's whole gradient: "
+                f"transform_fn's output{_named(path)} needs each example's whole gradient: "
                 f"{_unread(value)}"
             )
         outputs.append(statistic)
@@ -392,7 +398,7 @@ def read(
         for path, value in zip(mpaths, found, strict=True):
             if not value.linear or -1 in value.deps:
                 return (
-                    f"metrics_fn's output {path} is not linear in the gradient "
+                    f"metrics_fn's output{_named(path)} is not linear in the gradient "
                     "(metrics_fn=microbatching.l2_norm gives the norms without the gradients)"
                 )
         reached = {k for r in rules for k in r.sites}
@@ -543,7 +549,8 @@ def sums(
     fn = reading.transform
 
     def outputs(leaves: list[Any]) -> list[Any]:
-        return jax.tree.leaves(fn(tree(leaves)))
+        # As arrays: a leaf may be a Python number (transform_fn=lambda g: 1.0).
+        return [jnp.asarray(v) for v in jax.tree.leaves(fn(tree(leaves)))]
 
     zeros = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in params]
     outs: list[Any] = [None] * len(reading.outputs)
