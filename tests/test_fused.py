@@ -233,11 +233,23 @@ def test_accumulators_that_do_not_commute_with_gradients_are_refused(accumulator
         microbatch(mlp_loss, (1, 2), 4, accumulator, fused_gradient=True)
 
 
-def test_gradient_with_respect_to_a_batch_argument_is_refused(data):
+@pytest.mark.parametrize("mode", ["grad", "jvp"])
+def test_gradient_with_respect_to_a_batch_argument_is_refused(data, mode):
+    """Forward mode with a tangent on the batch reaches the same check as reverse mode
+    (the custom rule's forward pass cannot tell them apart): its message names both."""
     params, x, y = data
     fused = microbatch(mlp_loss, (1, 2), 4, MEAN, fused_gradient=True)
-    with pytest.raises(ValueError, match=r"with respect to batch argument `x`"):
-        jax.grad(fused, argnums=1)(params, x, y)
+    with pytest.raises(
+        ValueError,
+        match=r"this derivative is with respect to batch argument `x` \(jax\.grad or "
+        r"jax\.vjp with respect to it, or a jax\.jvp tangent on it\)\. Differentiate with "
+        r"respect to the parameters only, or drop fused_gradient=True \(forward mode of "
+        r"the microbatched function needs it dropped in any case\)\.",
+    ):
+        if mode == "grad":
+            jax.grad(fused, argnums=1)(params, x, y)
+        else:
+            jax.jvp(lambda x: fused(params, x, y), (x,), (jnp.ones_like(x),))
 
 
 def test_differentiating_a_non_scalar_output_is_refused(data):

@@ -5,6 +5,7 @@
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -1743,18 +1744,44 @@ def test_clipping_report_raises_the_calls_own_errors():
         microbatching.clipping_report(fn, jnp.ones((4, 2)), jnp.ones((5, 3, 4)))
 
 
-def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error():
+def double(g):
+    return 2 * g
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (dict(transform_fn=double), "transform_fn=double needs"),
+        (dict(transform_fn=lambda g: g), "transform_fn=<lambda> needs"),
+        (dict(accumulator=AccumulationType.MAX), "accumulator=MAX needs"),
+        (
+            dict(transform_fn=double, accumulator=AccumulationType.MAX, batch_argnums=(0, 1)),
+            "transform_fn=double, accumulator=MAX and the differentiated batch argument w need",
+        ),
+    ],
+    ids=["transform", "identity", "accumulator", "all three"],
+)
+def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error(options, says):
     with pytest.raises(
         ValueError,
         match=r"clip_method='ghost', which sums the clipped gradients without forming them, "
-        r"but transform_fn, the accumulator or a batched argnums needs each example's",
+        rf"but {re.escape(says)} each example's gradient; pass clip_method='auto' or "
+        r"'materialize', or drop transform_fn \(any function given counts, even one that "
+        r"returns the gradient\) and use SUM or MEAN\.",
     ):
-        micro_grad(
-            lambda w, x: jnp.sum(x @ w),
-            l2_clip_norm=1.0,
-            clip_method="ghost",
-            transform_fn=lambda g: 2 * g,
-        )
+        micro_grad(lambda w, x: jnp.sum(x @ w), l2_clip_norm=1.0, clip_method="ghost", **options)
+
+
+def test_the_report_says_what_needs_the_per_example_gradients():
+    fn = micro_grad(
+        lambda w, x: jnp.sum(x @ w),
+        l2_clip_norm=1.0,
+        accumulator=AccumulationType.MAX,
+        transform_fn=double,
+    )
+    report = microbatching.clipping_report(fn, jnp.ones((4, 2)), jnp.ones((6, 4)))
+    assert report.method == "materialize"
+    assert report.reason == ("transform_fn=double and accumulator=MAX need each example's gradient")
 
 
 @pytest.mark.parametrize("method", ["ghost", "two_pass", "chunked"])

@@ -684,10 +684,27 @@ def test_the_report_says_what_the_statistics_method_reads_off_the_program():
 def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
     with pytest.raises(
         ValueError,
-        match=r"clip_method='statistics', which sums the transformed gradients .* use SUM "
-        r"or MEAN, or clip_method='auto'",
+        match=r"clip_method='statistics', which sums the transformed gradients from the "
+        r"layers' activations and cotangents, but accumulator=MAX needs each example's "
+        r"gradient; use SUM or MEAN and leave the differentiated arguments out of "
+        r"batch_argnums, or clip_method='auto'\.",
     ):
         grad_fn(mlp(), MOMENTS, accumulator=AccumulationType.MAX)
+
+
+def test_statistics_asked_for_with_a_differentiated_batch_argument():
+    with pytest.raises(
+        ValueError,
+        match=r"but accumulator=MAX and the differentiated batch argument w need each "
+        r"example's gradient;",
+    ):
+        micro_grad(
+            lambda w, x: jnp.sum(x @ w),
+            batch_argnums=(0, 1),
+            accumulator={"a": AccumulationType.MAX, "b": AccumulationType.MAX},
+            transform_fn=lambda g: {"a": g, "b": g},
+            clip_method="statistics",
+        )
 
 
 def test_statistics_asked_for_a_transform_it_cannot_read():
@@ -731,4 +748,26 @@ def test_an_output_of_one_array_is_named_without_a_path():
         "dense",
         "rows",
         "dot_general",
+    ]
+
+
+def test_the_report_names_a_gradient_of_one_array_in_the_statistics_rows():
+    """A statistics row's ``leaf`` column says ``(one array)`` where the output reads the
+    gradient of one array (whose path is empty), and stays blank for a linear output,
+    which reads no leaf of its own."""
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p) ** 2)
+
+    fn = micro_grad(loss, microbatch_size=4, transform_fn=lambda g: (g, g**2))
+    report = microbatching.clipping_report(fn, jnp.ones((3, 2)), jnp.ones((8, 3)))
+    assert report.method == "statistics"
+    assert [(s.path, s.form, s.leaf) for s in report.statistics] == [
+        ("transform_fn[0]", "linear", ""),
+        ("transform_fn[1]", "factorised", ""),
+    ]
+    rows = str(report).splitlines()[3:]
+    assert [row.split()[:3] for row in rows] == [
+        ["transform_fn[0]", "linear", "linear"],
+        ["transform_fn[1]", "factorised", "(one"],
     ]

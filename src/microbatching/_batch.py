@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _sharding
-from ._signature import TOO_MANY, WEIGHTS, BatchAxes
+from ._signature import TOO_MANY, WEIGHTS, BatchAxes, leaf_paths
 from ._typing import AxisSpec, Count
 
 
@@ -89,9 +89,8 @@ def locate(
     leaves: list[Any] = []
     for where, arg in [*enumerate(args), *sorted(kwargs.items())]:
         label = binding.label(where)
-        arg_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-        leaves += [leaf for _, leaf in arg_leaves]
-        labels += [label + jax.tree_util.keystr(path) for path, _ in arg_leaves]
+        leaves += jax.tree.leaves(arg)
+        labels += [label + path for path in leaf_paths(arg)]
         axes += _axes_per_leaf(binding.spec(where), arg, label)
     if weights is not None:
         weights = _weights(weights, binding)
@@ -324,11 +323,8 @@ def leaf_axes(
     out: list[tuple[str, int | None]] = []
     for where, arg in [*enumerate(args), *sorted(kwargs.items())]:
         label = binding.label(where)
-        paths = [
-            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]
-        ]
         axes = _axes_per_leaf(binding.spec(where), arg, label)
-        out += [(label + path, axis) for path, axis in zip(paths, axes, strict=True)]
+        out += [(label + path, axis) for path, axis in zip(leaf_paths(arg), axes, strict=True)]
     return out
 
 

@@ -264,8 +264,10 @@ def _refuse_batched(
         if axis is not None:
             raise ValueError(
                 f"{OPTION} accumulates gradients with respect to arguments without a batch "
-                f"axis; this gradient is with respect to batch argument `{label}`. "
-                f"Differentiate with respect to the parameters only, or drop {OPTION}."
+                f"axis; this derivative is with respect to batch argument `{label}` "
+                "(jax.grad or jax.vjp with respect to it, or a jax.jvp tangent on it). "
+                f"Differentiate with respect to the parameters only, or drop {OPTION} "
+                "(forward mode of the microbatched function needs it dropped in any case)."
             )
 
 

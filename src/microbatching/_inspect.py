@@ -117,13 +117,27 @@ class ClippingReport:
         head = f"method: {self.method} ({self.reason})"
         share = ", ".join(f"{rule} {100 * f:.1f}%" for rule, f in self.coverage().items())
         rows = [
-            f"  {leaf.path or '(one array)':<40} {leaf.shape!s:<16} {leaf.rule:<10} "
+            f"  {_shown(leaf.path):<40} {leaf.shape!s:<16} {leaf.rule:<10} "
             f"{leaf.form:<8} "
             f"{'+'.join(leaf.sites)}"
             for leaf in self.leaves
         ]
-        forms = [f"  {s.path:<40} {s.form:<10} {s.leaf:<24} {s.why}" for s in self.statistics]
+        forms = [
+            f"  {s.path:<40} {s.form:<10} {_shown(s.leaf) if s.form in READS_A_LEAF else '':<24} "
+            f"{s.why}"
+            for s in self.statistics
+        ]
         return "\n".join([head, f"coverage of parameters: {share}", *rows, *forms])
+
+
+READS_A_LEAF = ("factorised", "direct")
+"""The forms of a ``StatisticRule`` that read one parameter leaf (its ``leaf``)."""
+
+
+def _shown(path: str) -> str:
+    """A parameter leaf's path in the report's table: ``(one array)`` for a gradient that
+    is one array, whose path is empty."""
+    return path or "(one array)"
 
 
 def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ClippingReport:

@@ -77,8 +77,9 @@ class Method:
                 raise ValueError(
                     "micro_grad was given clip_method='statistics', which sums the "
                     "transformed gradients from the layers' activations and cotangents, "
-                    f"but accumulator={request.accumulators!r} or a batched argnums needs "
-                    "each example's gradient; use SUM or MEAN, or clip_method='auto'."
+                    f"but {_needs(request.unsummable)} each example's gradient; use SUM or "
+                    "MEAN and leave the differentiated arguments out of batch_argnums, or "
+                    "clip_method='auto'."
                 )
             return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
@@ -104,9 +105,10 @@ class Method:
         if name != "materialize" and not request.summed:
             raise ValueError(
                 f"micro_grad was given clip_method={name!r}, which sums the clipped "
-                "gradients without forming them, but transform_fn, the accumulator or a "
-                "batched argnums needs each example's gradient; pass clip_method='auto' or "
-                "'materialize', or drop transform_fn and use SUM or MEAN."
+                f"gradients without forming them, but {request.unsummed_reason} each "
+                "example's gradient; pass clip_method='auto' or 'materialize', or drop "
+                "transform_fn (any function given counts, even one that returns the "
+                "gradient) and use SUM or MEAN."
             )
         unclipped = clipping is None and request.metrics is _per_example.no_metrics
         if name != "materialize" and unclipped:
@@ -258,9 +260,43 @@ class GradRequest:
     def summed(self) -> bool:
         """Whether the accumulated result is a (weighted) sum of the clipped gradients:
         the identity transform, linear accumulators, no batched argnums."""
-        identity = self.transform is _per_example.identity
-        linear = _accumulators.is_linear(self.accumulators)
-        return identity and linear and not self.batched_grad
+        return not self.unsummed
+
+    @property
+    def unsummed(self) -> list[str]:
+        """What of the call needs more than the (weighted) sum of the gradients, in
+        words for a message: a ``transform_fn`` (any function given: it is not read at
+        wrap time), an accumulator other than SUM, MEAN and RUNNING_MEAN, and
+        differentiated arguments that are also batch arguments."""
+        found = []
+        if self.transform is not _per_example.identity:
+            name = getattr(self.transform, "__name__", type(self.transform).__name__)
+            found.append(f"transform_fn={name}")
+        return found + self.unsummable
+
+    @property
+    def unsummable(self) -> list[str]:
+        """``unsummed`` but the ``transform_fn``: what the statistics method cannot sum."""
+        found = []
+        for kind in _accumulators.kinds(self.accumulators):
+            if not isinstance(kind, _accumulators.AccumulationType):
+                said = "a custom Accumulator"
+            elif not _accumulators.KINDS[kind].linear:
+                said = f"accumulator={kind.name}"
+            else:
+                continue
+            if said not in found:
+                found.append(said)
+        batched = [i for i in self.example.nums() if self.example.axes.spec(i) is not None]
+        if batched:
+            labels = ", ".join(self.example.axes.label(i) for i in batched)
+            found.append(f"the differentiated batch argument {labels}")
+        return found
+
+    @property
+    def unsummed_reason(self) -> str:
+        """``unsummed`` as the subject of "need(s) each example's gradient"."""
+        return _needs(self.unsummed)
 
     @property
     def reads_statistics(self) -> bool:
@@ -478,12 +514,22 @@ def _forming(request: GradRequest, exact: Callable[[], bool]) -> Method:
     return CHUNKED if request.clipping is None and exact() else MATERIALIZE
 
 
-_PER_EXAMPLE = "transform_fn, the accumulator or a batched argnums needs each example's gradient"
 _NO_STATISTICS = (
     "micro_grad was given clip_method='statistics', but it cannot compute this call "
     "without the per-example gradients: {reason}. Pass clip_method='auto' to let "
     "micro_grad pick an exact method."
 )
+
+
+def _needs(subjects: list[str]) -> str:
+    """``subjects`` joined as the subject of "need" (one: "needs")."""
+    if len(subjects) == 1:
+        return f"{subjects[0]} needs"
+    return f"{', '.join(subjects[:-1])} and {subjects[-1]} need"
+
+
+def _per_example_why(request: GradRequest) -> str:
+    return f"{request.unsummed_reason} each example's gradient"
 
 
 def _per_example_plan(
@@ -498,13 +544,13 @@ def _per_example_plan(
     MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``,
     else the per-example gradients (materialize), with why."""
     if not request.reads_statistics:
-        why = _ASKED if request.method == "materialize" else _PER_EXAMPLE
+        why = _ASKED if request.method == "materialize" else _per_example_why(request)
         return each(MATERIALIZE, "per-example", why)
     found = _statistics_plan(request, args, kwargs, layout, sharded)
     if isinstance(found, Declined):
         if request.method == "statistics":
             raise ValueError(_NO_STATISTICS.format(reason=found.reason))
-        why = f"{_PER_EXAMPLE}: {found.reason}"
+        why = f"{_per_example_why(request)}: {found.reason}"
         return each(MATERIALIZE, "per-example", why, False, found.predicted)
     return found
 

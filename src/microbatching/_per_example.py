@@ -24,7 +24,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _accumulators, _clipping, _ghost, _layout, _programs, _sharding, _statistics, _vmap
+from . import (
+    _accumulators,
+    _clipping,
+    _ghost,
+    _layout,
+    _programs,
+    _sharding,
+    _signature,
+    _statistics,
+    _vmap,
+)
 from ._signature import SHAPES_NOTE, WEIGHTS, BatchAxes, first_few
 from ._typing import Function, PyTree
 
@@ -549,7 +559,7 @@ def leaf_paths(example: Examples, args: tuple[Any, ...]) -> list[str]:
     """The path of each differentiated leaf, as the gradient's tree names it."""
     split = split_call(example, args, {})
     grads = split.gradient(example, split.params)
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+    return _signature.leaf_paths(grads)
 
 
 def gradient_shapes(example: Examples, args: tuple[Any, ...]) -> PyTree:
@@ -647,7 +657,6 @@ def statistics(
         return split.gradient(example, leaves)
 
     outs = _statistics.sums(reading, program, params, tree, seen, each, sums.requested)
-    structure = jax.tree.structure(jax.eval_shape(reading.transform, tree(params)))
     if reading.metric_outputs:
         measured = _statistics.metric_values(reading, program, params, tree, seen)
     elif reading.norms and norms is not None:
@@ -655,7 +664,9 @@ def statistics(
     else:
         measured = None
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
-    return _kept(jax.tree.unflatten(structure, outs), Aux(seen.outs[0], measured, aux), given)
+    return _kept(
+        jax.tree.unflatten(reading.structure, outs), Aux(seen.outs[0], measured, aux), given
+    )
 
 
 def by_shard(

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from . import _checks, _sharding
-from ._signature import OPTIONS
+from ._signature import OPTIONS, leaf_paths
 from ._typing import GatherParams
 
 Build = Callable[..., Callable[..., Any]]
@@ -314,8 +314,8 @@ def _specs(
     labels: list[str] = []
     specs: list[jax.ShapeDtypeStruct] = []
     for label, arg in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            labels.append(label + jax.tree_util.keystr(path))
+        for path, leaf in zip(leaf_paths(arg), jax.tree.leaves(arg), strict=True):
+            labels.append(label + path)
             specs.append(_spec(leaf, labels[-1]))
     return labels, specs, jax.tree.structure((args, kwargs))
 

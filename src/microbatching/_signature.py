@@ -154,6 +154,12 @@ def first_few(items: Sequence[str], most: int = 4) -> str:
     return ", ".join(items[:most]) + (", ..." if len(items) > most else "")
 
 
+def leaf_paths(tree: Any) -> list[str]:
+    """Each leaf's path in ``tree`` as ``jax.tree_util.keystr`` writes it (``['w']``,
+    ``[0]``), in ``jax.tree.leaves`` order; ``""`` for a tree that is one array."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchAxes:
     """Which arguments of ``fun`` carry a batch axis, and on which axis.

@@ -44,6 +44,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import Literal as JaxprLiteral
 
 from . import _accumulators, _ghost, _layout
+from ._signature import leaf_paths
 from ._typing import PyTree
 
 Form = Literal["constant", "linear", "factorised", "direct"]
@@ -338,6 +339,7 @@ class Reading:
       metric_outputs: One ``linear`` ``Statistic`` per output leaf of a ``metrics_fn``
         read as linear; empty for none, or for the norms (``norms``).
       norms: Whether ``metrics_fn`` is ``l2_norm``.
+      structure: The tree structure of ``transform_fn``'s output, as read.
     """
 
     transform: Callable[[PyTree], PyTree]
@@ -345,6 +347,7 @@ class Reading:
     metrics: Callable[[PyTree], PyTree] | None
     metric_outputs: tuple[Statistic, ...]
     norms: bool
+    structure: Any
 
 
 def _read_values(fn: Callable[[PyTree], PyTree], grads: PyTree) -> tuple[list[_Value], Any, Any]:
@@ -375,7 +378,7 @@ def read(
     (``ShapeDtypeStruct`` leaves), with the ghost engine's ``rules`` of its leaves and
     its ``sites``; or why one of them cannot be read."""
     values, _, shape = _read_values(transform, grads)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shape)[0]]
+    paths = leaf_paths(shape)
     outs = jax.tree.leaves(shape)
     outputs = []
     for path, value, out in zip(paths, values, outs, strict=True):
@@ -392,9 +395,7 @@ def read(
     metric_outputs: list[Statistic] = []
     if metrics is not None and not norms:
         found, _, mshape = _read_values(metrics, grads)
-        mpaths = [
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(mshape)[0]
-        ]
+        mpaths = leaf_paths(mshape)
         for path, value in zip(mpaths, found, strict=True):
             if not value.linear or -1 in value.deps:
                 return (
@@ -405,7 +406,8 @@ def read(
         if not all(sites[k].linear for k in reached):
             return "a linear metrics_fn needs every site linear in its cotangent"
         metric_outputs = [Statistic(p, "linear", why="linear in the gradient") for p in mpaths]
-    return Reading(transform, tuple(outputs), metrics, tuple(metric_outputs), norms)
+    structure = jax.tree.structure(shape)
+    return Reading(transform, tuple(outputs), metrics, tuple(metric_outputs), norms, structure)
 
 
 def _beside_direct(outputs: list[Statistic]) -> list[Statistic]:
