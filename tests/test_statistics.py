@@ -286,6 +286,17 @@ def global_scale(g: Any) -> Any:
     return jax.tree.map(lambda x: x / (1 + total), g)
 
 
+def test_a_clip_in_transform_fn_beside_l2_clip_norm_is_said_to_clip_twice():
+    model = mlp()
+    fn = grad_fn(model, global_scale, clip_method="auto", l2_clip_norm=1.0)
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.method == "materialize"
+    assert report.reason.endswith(
+        "it mixes gradient leaves, and is not linear (l2_clip_norm clips each example's "
+        "gradient before transform_fn sees it: a clip in transform_fn clips it again)"
+    )
+
+
 @pytest.mark.parametrize(
     ("transform", "why"),
     [

@@ -300,6 +300,13 @@ class _Calls:
         example, settings = request.example, request.settings
         args, kwargs = example.axes.to_positions(args, kwargs)
         example.check_differentiable(args)
+        if (
+            request.clipping is not None
+            and jax.tree.structure(request.clipping.bound).num_nodes > 1
+        ):
+            # A pytree l2_clip_norm against the gradient's tree, before the loop: inside,
+            # its error would gain the note on fun's microbatches, which is not the fix.
+            request.clipping.groups(_per_example.gradient_shapes(example, args))
         if not isinstance(request.accumulators, AccumulationType | _accumulators.Accumulator):
             shapes = jax.eval_shape(request.transform, _per_example.gradient_shapes(example, args))
             _accumulators.check_prefix(

@@ -174,7 +174,8 @@ def clipping_report(grad_fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -
     if describe is None:
         raise TypeError(
             f"clipping_report needs a function returned by micro_grad, got {grad_fn!r}; "
-            "pass micro_grad(loss, ...) itself, not a jitted or transformed copy."
+            "pass the function micro_grad(loss, ...) returned (or jax.jit of it), not a "
+            "function that calls it."
         )
     jax.eval_shape(grad_fn, *args, **kwargs)  # the call's own errors, first
     found: list[ClippingReport] = []

@@ -77,9 +77,9 @@ class Method:
                 raise ValueError(
                     "micro_grad was given clip_method='statistics', which sums the "
                     "transformed gradients from the layers' activations and cotangents, "
-                    f"but {_needs(request.unsummable)} each example's gradient; use SUM or "
-                    "MEAN and leave the differentiated arguments out of batch_argnums, or "
-                    "clip_method='auto'."
+                    f"but {_with_verb(request.unsummable, 'needs')} each example's "
+                    "gradient; use SUM or MEAN and leave the differentiated arguments out "
+                    "of batch_argnums, or clip_method='auto'."
                 )
             return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
@@ -98,17 +98,29 @@ class Method:
         if not self.forms_gradients and request.gradient_metrics:
             raise ValueError(
                 f"micro_grad was given clip_method={name!r} and "
-                f"metrics_fn={request.metrics!r}, which needs each example's gradient; the "
+                f"metrics_fn={_checks.function_name(request.metrics)}, which needs each example's "
+                "gradient; the "
                 f"{name} method never forms them. Pass metrics_fn=microbatching.l2_norm "
                 "for the per-example norms, or clip_method='auto'."
             )
         if name != "materialize" and not request.summed:
+            # Only a transform_fn in the way: the statistics method may read it.
+            readable = "" if request.unsummable else ", 'statistics'"
+            fixes = []
+            if request.transform is not _per_example.identity:
+                fixes.append(
+                    "drop transform_fn (any function given counts, even one that returns "
+                    "the gradient)"
+                )
+            if not _accumulators.is_linear(request.accumulators):
+                fixes.append("use SUM or MEAN")
+            if request.batched_grad:
+                fixes.append("leave the differentiated arguments out of batch_argnums")
             raise ValueError(
                 f"micro_grad was given clip_method={name!r}, which sums the clipped "
-                f"gradients without forming them, but {request.unsummed_reason} each "
-                "example's gradient; pass clip_method='auto' or 'materialize', or drop "
-                "transform_fn (any function given counts, even one that returns the "
-                "gradient) and use SUM or MEAN."
+                f"gradients without forming them, but {_with_verb(request.unsummed, 'asks')} "
+                f"for more than their sum; pass clip_method='auto'{readable} or "
+                f"'materialize', or {_joined(fixes)}."
             )
         unclipped = clipping is None and request.metrics is _per_example.no_metrics
         if name != "materialize" and unclipped:
@@ -270,8 +282,7 @@ class GradRequest:
         differentiated arguments that are also batch arguments."""
         found = []
         if self.transform is not _per_example.identity:
-            name = getattr(self.transform, "__name__", type(self.transform).__name__)
-            found.append(f"transform_fn={name}")
+            found.append(f"transform_fn={_checks.function_name(self.transform)}")
         return found + self.unsummable
 
     @property
@@ -292,11 +303,6 @@ class GradRequest:
             labels = ", ".join(self.example.axes.label(i) for i in batched)
             found.append(f"the differentiated batch argument {labels}")
         return found
-
-    @property
-    def unsummed_reason(self) -> str:
-        """``unsummed`` as the subject of "need(s) each example's gradient"."""
-        return _needs(self.unsummed)
 
     @property
     def reads_statistics(self) -> bool:
@@ -521,15 +527,19 @@ _NO_STATISTICS = (
 )
 
 
-def _needs(subjects: list[str]) -> str:
-    """``subjects`` joined as the subject of "need" (one: "needs")."""
-    if len(subjects) == 1:
-        return f"{subjects[0]} needs"
-    return f"{', '.join(subjects[:-1])} and {subjects[-1]} need"
+def _joined(items: list[str]) -> str:
+    """``items`` as a sentence lists them: ``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _with_verb(subjects: list[str], verb: str) -> str:
+    """``subjects`` joined and followed by ``verb``: singular as given (``needs``) for
+    one subject, plural (``need``) for more."""
+    return f"{_joined(subjects)} {verb if len(subjects) == 1 else verb.removesuffix('s')}"
 
 
 def _per_example_why(request: GradRequest) -> str:
-    return f"{request.unsummed_reason} each example's gradient"
+    return f"{_with_verb(request.unsummed, 'needs')} each example's gradient"
 
 
 def _per_example_plan(
@@ -585,7 +595,13 @@ def _statistics_plan(
     grads = _per_example.gradient_shapes(request.example, args)
     norms = request.metrics is _per_example.l2_norm
     reading = _statistics.read(
-        request.transform, sums.metrics, norms, grads, program.rules, program.sites
+        request.transform,
+        sums.metrics,
+        norms,
+        grads,
+        program.rules,
+        program.sites,
+        clipped=request.clipping is not None,
     )
     if isinstance(reading, str):
         return Declined(reading)

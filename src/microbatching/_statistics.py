@@ -373,10 +373,12 @@ def read(
     grads: PyTree,
     rules: Sequence[Any],
     sites: Sequence[Any],
+    clipped: bool = False,
 ) -> Reading | str:
     """The reading of ``transform`` and ``metrics`` at one example's gradient ``grads``
     (``ShapeDtypeStruct`` leaves), with the ghost engine's ``rules`` of its leaves and
-    its ``sites``; or why one of them cannot be read."""
+    its ``sites``; or why one of them cannot be read (``clipped``: ``l2_clip_norm`` is
+    given, for the hint)."""
     values, _, shape = _read_values(transform, grads)
     paths = leaf_paths(shape)
     outs = jax.tree.leaves(shape)
@@ -388,7 +390,7 @@ def read(
         if statistic is None:
             return (
                 f"transform_fn's output{_named(path)} needs each example's whole gradient: "
-                f"{_unread(value)}"
+                f"{_unread(value, clipped)}"
             )
         outputs.append(statistic)
     outputs = _beside_direct(outputs)
@@ -428,14 +430,18 @@ def _beside_direct(outputs: list[Statistic]) -> list[Statistic]:
 _BESIDE = "linear in the gradient: from its leaf's per-example gradients, read for another output"
 
 
-def _unread(value: _Value) -> str:
+def _unread(value: _Value, clipped: bool) -> str:
     if -1 in value.deps:
         return "it goes through an operation that is neither elementwise nor linear"
     if len(value.deps) > 1:
-        return (
-            "it mixes gradient leaves, and is not linear (to clip each example's "
-            "gradient, pass l2_clip_norm=, which takes the norms without the gradients)"
+        hint = (
+            "l2_clip_norm clips each example's gradient before transform_fn sees it: "
+            "a clip in transform_fn clips it again"
+            if clipped
+            else "to clip each example's gradient, pass l2_clip_norm=, which takes the "
+            "norms without the gradients"
         )
+        return f"it mixes gradient leaves, and is not linear ({hint})"
     return "it is neither elementwise nor linear in its gradient leaf"
 
 
