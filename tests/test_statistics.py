@@ -782,3 +782,95 @@ def test_the_report_names_a_gradient_of_one_array_in_the_statistics_rows():
         ["transform_fn[0]", "linear", "linear"],
         ["transform_fn[1]", "factorised", "(one"],
     ]
+
+
+# --- 7. the factorised form keeps its terms in range, or takes the direct one -----------
+
+
+def scaled_dense(w: jax.Array, x: jax.Array, s: jax.Array) -> jax.Array:
+    """A dense layer whose cotangent is ``s``: activations ``x`` and cotangents ``s``
+    of any scale, their products of unit scale (breaker round 24)."""
+    return jnp.sum(s[0] * (x @ w))
+
+
+def scaled_reference(transform: Any, x: jax.Array, s: jax.Array, clip: float | None) -> Any:
+    w = jnp.ones((x.shape[1], 1))
+    each = jax.vmap(jax.grad(scaled_dense), (None, 0, 0))(w, x[:, None], s[:, None])
+    if clip is not None:
+        norms = jnp.sqrt(jnp.sum(each**2, axis=(1, 2)))
+        each = each * jnp.minimum(1.0, clip / norms)[:, None, None]
+    return jnp.sum(jax.vmap(transform)(each), axis=0)
+
+
+SCALED_TRANSFORMS = {
+    "square": jnp.square,
+    "cube of abs": lambda g: jnp.abs(g) ** 3,
+    "x |x|": lambda g: -0.5 * g * jnp.abs(g),
+}
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("name", list(SCALED_TRANSFORMS))
+@pytest.mark.parametrize(
+    ("x_scale", "s_scale"),
+    [(1e-25, 1e27), (1e-19, 1e19), (1e20, 1e-20), (1.0, 1.0)],
+    ids=["0 times inf", "flushed square", "inf times 0", "unit"],
+)
+def test_a_factorised_statistic_is_exact_where_its_rows_leave_the_range(
+    x_scale, s_scale, name, clip
+):
+    """``m(a)`` and ``m(d)`` apart can underflow or overflow where ``m(a d)`` does not:
+    ``(g**2)`` at activations 1e-25 and cotangents 1e27 was NaN, at 1e-19 and 1e19 it
+    lost the first example silently (``x**2`` flushed to 0). Such a microbatch takes the
+    leaf's own per-example gradients; one in range keeps the factorised form."""
+    transform = SCALED_TRANSFORMS[name]
+    x = jnp.array([[1.0 * x_scale, 2.0 * x_scale], [1.0, 1.0], [3.0, -1.0], [0.5, 2.0]])
+    s = jnp.array([s_scale, 1.0, -2.0, 0.25])
+    fn = micro_grad(
+        scaled_dense,
+        batch_argnums=(1, 2),
+        microbatch_size=2,
+        transform_fn=transform,
+        **({} if clip is None else {"l2_clip_norm": clip}),
+    )
+    w = jnp.ones((2, 1))
+    assert microbatching.clipping_report(fn, w, x, s).statistics[0].form == "factorised"
+    assert_close(fn(w, x, s)[0], scaled_reference(transform, x, s, clip), terms=4, factor=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    x_exp=st.integers(-30, 30),
+    s_exp=st.integers(-30, 30),
+    name=st.sampled_from(sorted(SCALED_TRANSFORMS)),
+)
+def test_factorised_statistics_match_the_reference_at_every_scale(x_exp, s_exp, name):
+    """Activations ``10**x_exp`` against cotangents ``10**s_exp`` wherever the
+    per-example statistic itself is in range (``|x_exp + s_exp| <= 10``)."""
+    s_exp = max(min(s_exp, 10 - x_exp), -10 - x_exp)
+    transform = SCALED_TRANSFORMS[name]
+    x = jnp.array([[1.0, 2.0], [1.0, 1.0]]) * jnp.array([[10.0**x_exp], [1.0]])
+    s = jnp.array([10.0**s_exp, 1.0])
+    fn = micro_grad(scaled_dense, batch_argnums=(1, 2), transform_fn=transform)
+    assert_close(fn(jnp.ones((2, 1)), x, s)[0], scaled_reference(transform, x, s, None), factor=4)
+
+
+def test_the_factorised_bound_holds_the_lost_entries_against_the_statistic():
+    """``_exact_terms`` of ``x**2`` at its edges: an entry lost beside a statistic far
+    larger is within the bound; the same entry lost where it is the whole statistic is
+    not, unless the microbatch's other examples make it negligible; a finite entry
+    whose square overflows fails; a row that does not enter is not read."""
+    from microbatching._statistics import _exact_terms, _Side
+
+    def exact(xs, ds, live=None):
+        x, d = jnp.array(xs, jnp.float32), jnp.array(ds, jnp.float32)
+        live = jnp.ones(x.shape[0], bool) if live is None else jnp.array(live)
+        sides = (_Side([x], None, None), _Side([d], jnp.ones(x.shape[0]), None))
+        return bool(_exact_terms(Monomial(2), sides, live))
+
+    assert exact([[0.0, 2.0]], [[3.0]])
+    assert exact([[1.0, 1e-20]], [[1.0]])
+    assert not exact([[1e-20]], [[1e18]])
+    assert exact([[1e-20], [1e3]], [[1e18], [1e3]])
+    assert not exact([[1e-25, 2e-25]], [[1e27]])
+    assert exact([[1e-20]], [[1e18]], live=[False])

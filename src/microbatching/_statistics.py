@@ -16,7 +16,9 @@ leaves takes a **form**:
   of what is provably not negative, and products of them) that vanishes at 0. Then
   ``sum_b w_b m(a_b (outer) c_b d_b) = m(A)^T (w * m(c G))``: one matrix product like the
   gradient's own. Every term of it is the product that the per-example form rounds, so
-  its sum over examples has the same condition as the reference's. A sum of several such
+  its sum over examples has the same condition as the reference's, as long as ``m(a)``
+  and ``m(d)``, taken apart, stay in range where ``m(a d)`` does: a microbatch where
+  they may not (``_exact_terms``) takes ``direct`` in a branch. A sum of several such
   terms is not taken this way: its signs may cancel, and it takes ``direct``.
 - ``direct``: any other elementwise function of one leaf. That leaf's own per-example
   gradient is formed from its sites, a chunk of examples at a time, clipped, transformed
@@ -32,6 +34,7 @@ site, ``A V`` against ``G`` for a dense one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -43,7 +46,7 @@ from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import Literal as JaxprLiteral
 
-from . import _accumulators, _ghost, _layout
+from . import _accumulators, _ghost, _layout, _sharding
 from ._signature import leaf_paths
 from ._typing import PyTree
 
@@ -563,6 +566,44 @@ def sums(
     zeros = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in params]
     outs: list[Any] = [None] * len(reading.outputs)
     forms = [s.form for s in reading.outputs]
+
+    def picker(leaf: int, js: list[int]) -> Callable[[Any], list[Any]]:
+        """The outputs ``js`` of ``transform_fn`` at a gradient that is ``g`` at ``leaf``
+        and 0 elsewhere (``_direct`` reads them one example at a time)."""
+
+        def picked(g: Any) -> list[Any]:
+            full = list(zeros)
+            full[leaf] = g
+            found = outputs(full)
+            return [found[j] for j in js]
+
+        return picked
+
+    def or_direct(checked: list[tuple[int, int, jax.Array, jax.Array]]) -> None:
+        """Each factorised output ``(j, leaf, value, exact)`` into ``outs``: ``value``
+        where every one is ``exact`` for the microbatch, else each from its leaf's own
+        per-example gradients (``_direct``), in one branch: only a microbatch that
+        needs it pays for it (each branch on the data costs XLA:CPU a wait; one for all
+        of them, not one each). One example at a time: XLA holds the memory of both
+        sides of a branch, and this one is for data at the ends of the float range."""
+        if not checked:
+            return
+        values = [value for _, _, value, _ in checked]
+
+        def by_examples() -> list[jax.Array]:
+            found = []
+            for j, leaf, value, _ in checked:
+                picked = picker(leaf, [j])
+                (one,) = _direct(program, params, seen, leaf, picked, rows, requested, most=1)
+                found.append(jnp.asarray(one).astype(value.dtype).reshape(value.shape))
+            return found
+
+        exact = functools.reduce(jnp.logical_and, [e for _, _, _, e in checked])
+        for (j, *_), value in zip(
+            checked, _sharding.data_cond(exact, lambda: values, by_examples), strict=True
+        ):
+            outs[j] = value
+
     if "linear" in forms:
         factor = rows.scale * rows.weights[:, None]
         factor = jnp.where(rows.keep[:, None], factor, 0) if rows.clean else factor
@@ -575,32 +616,29 @@ def sums(
     count = jnp.sum(jnp.where(rows.keep, rows.weights, 0))
     at_zero = outputs(zeros)
     direct: dict[int, list[int]] = {}
+    checked: list[tuple[int, int, jax.Array, jax.Array]] = []
     for j, s in enumerate(reading.outputs):
         unused = s.leaf is not None and program.rules[s.leaf].name == "unused"
         if s.form == "constant" or unused:  # every example's gradient of the leaf is 0
             outs[j] = at_zero[j] * count.astype(at_zero[j].dtype)
         elif s.form == "factorised":
             assert s.leaf is not None  # for the type checker: read so
-            product = _factorised(program, params, seen, s, rows)
+            product, exact = _factorised(program, params, seen, s, rows)
             if s.coefficient is None:
                 ones = [jnp.ones_like(z) if i == s.leaf else z for i, z in enumerate(zeros)]
-                outs[j] = outputs(ones)[j] * product  # C * m(1), and m(1) = 1
+                value = outputs(ones)[j] * product  # C * m(1), and m(1) = 1
             else:
-                outs[j] = product if s.coefficient == 1 else product * s.coefficient
+                value = product if s.coefficient == 1 else product * s.coefficient
+            outs[j] = value
+            if exact is not None:
+                checked.append((j, s.leaf, value, exact))
         elif s.form == "direct":
             assert s.leaf is not None
             direct.setdefault(s.leaf, []).append(j)
+    or_direct(checked)
     for leaf, js in direct.items():
-
-        def picked(g: Any, leaf: int = leaf, js: list[int] = js) -> list[Any]:
-            full = list(zeros)
-            full[leaf] = g
-            found = outputs(full)
-            return [found[j] for j in js]
-
-        for j, value in zip(
-            js, _direct(program, params, seen, leaf, picked, rows, requested), strict=True
-        ):
+        found = _direct(program, params, seen, leaf, picker(leaf, js), rows, requested)
+        for j, value in zip(js, found, strict=True):
             outs[j] = value
     return outs
 
@@ -611,9 +649,11 @@ def _factorised(
     seen: _ghost.Recorded,
     statistic: Statistic,
     rows: Rows,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array | None]:
     """``sum_b w_b m(a_b) (outer) m(c_b d_b)`` at the leaf's one dense site, in the leaf's
-    layout: the site's own product, at ``m`` of its rows."""
+    layout: the site's own product, at ``m`` of its rows; and whether it is exact for
+    the microbatch (``_exact_terms``), None for a monomial of degree 0 (``sign``,
+    ``x != 0``), whose rows are 0 or 1 in magnitude and lose nothing."""
     leaf, m = statistic.leaf, statistic.monomial
     assert leaf is not None and m is not None  # for the type checker: a factorised form
     k = program.rules[leaf].sites[0]
@@ -634,7 +674,78 @@ def _factorised(
     (product,) = _ghost.scaled_products(
         program, params, here, [leaf], [k], rows.weights, kept, clean=True
     )
-    return product
+    if m.n + m.r == 0:
+        return product, None
+    # The weights multiply the side that ``scaled_products`` scales: checked as used.
+    on_data = _ghost.scales_data(program, here, k)
+    sides = (
+        _Side(seen.inputs[k], None, rows.weights if on_data else None),
+        _Side(seen.cotangents[k], clip, None if on_data else rows.weights),
+    )
+    live = kept & (clip != 0) & (rows.weights != 0)
+    return product, _exact_terms(m, sides, live)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One side of a factorised product as ``_factorised`` computes it: each entry ``e``
+    of ``raw`` (one row per example on axis 0) enters as ``m(e * clip) * weights``, the
+    row's factors where given."""
+
+    raw: Sequence[jax.Array]
+    clip: jax.Array | None
+    weights: jax.Array | None
+
+    def value(self, m: Monomial, e: jax.Array) -> jax.Array:
+        """``e`` (rows on axis 0) as it enters the product."""
+        if self.clip is not None:
+            e = e * _ghost.at_rows(self.clip, e).astype(e.dtype)
+        e = m(e)
+        if self.weights is not None:
+            e = e * _ghost.at_rows(self.weights, e).astype(e.dtype)
+        return e
+
+    def largest(self) -> tuple[jax.Array, int]:
+        """Each row's largest magnitude (``(rows,)``), and the row's count of entries."""
+        rows = jnp.shape(self.raw[0])[0]
+        flat = [jnp.reshape(v, (rows, -1)) for v in self.raw]
+        most = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=1) for v in flat])
+        return most, sum(v.shape[1] for v in flat)
+
+
+def _exact_terms(m: Monomial, sides: Sequence[_Side], live: jax.Array) -> jax.Array:
+    """Whether the factorised form's two ``sides`` lose at most ``GRAM_TOLERANCE`` of
+    the ``live`` examples' statistic, ``sum_b ||m(c_b g_b) w_b||_1``, to their range.
+
+    The per-example form computes ``m`` of each product ``a_i d_j`` once; this one
+    computes ``m(a_i)`` and ``m(d_j)`` apart, and either can leave the normal range
+    though the product does not (``m = x**2`` at ``a = 1e-25``, ``d = 1e27``: 0 times
+    ``inf``). An entry whose value is below ``tiny`` is off by at most ``tiny`` (beside
+    the relative rounding of the reference's own products), which moves the example's
+    statistic by at most ``tiny`` times the other side's sum of magnitudes. ``|m|``
+    grows with ``|x|``, so each side's largest value is ``M = |m(c max|x|) w|``, and
+    counting every entry as lost bounds an example's error by ``tiny I J (M_a + M_d +
+    tiny)`` for rows of ``I`` and ``J`` entries: one largest-magnitude pass per row and
+    side, over the rows as recorded. Summed over the examples, that is held against
+    ``sum_b M_a M_d``, no more than the statistic's ``L1`` mass (the scale of the
+    reference's own rounding in the sum over examples). A largest value that is not
+    finite (one that overflowed, or data that are not) fails; so does a microbatch whose
+    every example has ``M_a M_d`` within about ``1e-27`` of ``tiny`` times ``I J
+    (M_a + M_d)`` in float32 (a statistic of about ``1e-30``, or entries out of range).
+    Two values in range whose product rounds below ``tiny`` in the sum do as the
+    per-example form's ``m`` of a product below ``tiny`` does."""
+    tiny = jnp.finfo(jnp.result_type(*sides[0].raw, *sides[1].raw)).tiny
+    tops, sizes = [], []
+    for side in sides:
+        most, size = side.largest()
+        wide = jnp.promote_types(most.dtype, jnp.float32)
+        tops.append(jnp.where(live, jnp.abs(side.value(m, most)).astype(wide), 0))
+        sizes.append(size)
+    (top_a, top_d), entries = tops, sizes[0] * sizes[1]
+    bound = jnp.sum(jnp.where(live, tiny * entries * (top_a + top_d + tiny), 0))
+    tolerance = _ghost.GRAM_TOLERANCE[max(32, jnp.finfo(top_a.dtype).bits)]
+    finite = jnp.all(jnp.isfinite(top_a) & jnp.isfinite(top_d))
+    return finite & (bound <= tolerance * jnp.sum(top_a * top_d))
 
 
 def _direct(
@@ -645,9 +756,11 @@ def _direct(
     picked: Callable[[Any], list[Any]],
     rows: Rows,
     requested: Any,
+    most: int | None = None,
 ) -> list[Any]:
     """``sum_b w_b f(c_b g_b)`` of the outputs ``picked`` reads from one leaf's gradient,
-    from that leaf's per-example gradients a chunk of examples at a time."""
+    from that leaf's per-example gradients a chunk of examples at a time: at most
+    ``most`` examples (by default as many as ``_ghost.chunk`` allows)."""
     sites = list(program.rules[leaf].sites)
     grads = _ghost.per_example_grads(program, params, [leaf], sites)
     one = jax.ShapeDtypeStruct(program.avals[leaf].shape, program.avals[leaf].dtype)
@@ -657,7 +770,7 @@ def _direct(
     ]
     shapes = [o.shape for o in jax.eval_shape(picked, one)]
     n = rows.weights.shape[0]
-    most = _ghost.chunk(program, [leaf])
+    most = _ghost.chunk(program, [leaf]) if most is None else most
     size = max(d for d in range(1, min(n, most) + 1) if n % d == 0)
     clip = rows.clip(leaf)
 
