@@ -335,3 +335,16 @@ def test_inside_shard_map_the_gradient_of_a_replicated_parameter_is_summed_once(
     assert_close(got, per_device(False)(*args), terms=12)
     hlo = str(per_device(True).lower(*args).compile().as_text())
     assert "all-reduce" in hlo
+
+
+def test_example_weights_on_a_fused_microbatch_name_the_transforms_that_take_them():
+    """``fused_gradient=True`` traces ``fun`` with the call's keywords before the loop;
+    the call is checked first, as without it (breaker round 24)."""
+    fused = microbatch(lambda w, x: jnp.mean((x @ w) ** 2), 1, 4, MEAN, fused_gradient=True)
+    with pytest.raises(
+        TypeError,
+        match=r"<lambda>\(w, x\) was called with example_weights=, which microbatch passes "
+        r"on to fun, and fun has no such parameter; per-example weights are a keyword of "
+        r"the functions that micro_vmap and micro_grad return\.",
+    ):
+        fused(jnp.ones(3), jnp.ones((8, 3)), example_weights=jnp.ones(8))  # pyright: ignore[reportCallIssue]

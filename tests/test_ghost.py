@@ -1753,45 +1753,62 @@ def double(g):
 DROP = "drop transform_fn (any function given counts, even one that returns the gradient)"
 
 
+MORE = "but more than their sum is needed for "
+
+
 @pytest.mark.parametrize(
     ("options", "says"),
     [
         (
             dict(transform_fn=double),
-            "transform_fn=double asks for more than their sum; pass clip_method='auto', "
-            f"'statistics' or 'materialize', or {DROP}.",
+            f"{MORE}transform_fn=double; pass clip_method='auto', 'statistics' or "
+            f"'materialize', or {DROP}.",
         ),
         (
             dict(transform_fn=lambda g: g),
-            "transform_fn=<lambda> asks for more than their sum; pass clip_method='auto', "
-            f"'statistics' or 'materialize', or {DROP}.",
+            f"{MORE}transform_fn=<lambda>; pass clip_method='auto', 'statistics' or "
+            f"'materialize', or {DROP}.",
         ),
-        (
-            dict(transform_fn=functools.partial(jnp.multiply, 2.0)),
-            "transform_fn=multiply asks",
-        ),
+        (dict(transform_fn=functools.partial(jnp.multiply, 2.0)), f"{MORE}transform_fn=multiply;"),
         (
             dict(accumulator=AccumulationType.MAX),
-            "accumulator=MAX asks for more than their sum; pass clip_method='auto' or "
-            "'materialize', or use SUM or MEAN.",
+            f"{MORE}accumulator=MAX; pass clip_method='auto' or 'materialize', or use SUM or MEAN.",
+        ),
+        (
+            dict(batch_argnums=(0, 1)),
+            f"{MORE}the differentiated batch argument w; pass clip_method='auto' or "
+            "'materialize', or leave the differentiated arguments out of batch_argnums.",
         ),
         (
             dict(transform_fn=double, accumulator=AccumulationType.MAX, batch_argnums=(0, 1)),
-            "transform_fn=double, accumulator=MAX and the differentiated batch argument w ask "
-            "for more than their sum; pass clip_method='auto' or 'materialize', or "
+            f"{MORE}transform_fn=double, accumulator=MAX and the differentiated batch "
+            "argument w; pass clip_method='auto' or 'materialize', or "
             f"{DROP}, use SUM or MEAN and leave the differentiated arguments out of "
             "batch_argnums.",
         ),
     ],
-    ids=["transform", "identity", "partial", "accumulator", "all three"],
+    ids=["transform", "identity", "partial", "accumulator", "batched", "all three"],
 )
 def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error(options, says):
     with pytest.raises(
         ValueError,
         match=r"clip_method='ghost', which sums the clipped gradients without forming them, "
-        rf"but {re.escape(says)}",
+        rf"{re.escape(says)}",
     ):
         micro_grad(lambda w, x: jnp.sum(x @ w), l2_clip_norm=1.0, clip_method="ghost", **options)
+
+
+def test_a_forced_method_names_two_differentiated_batch_arguments():
+    with pytest.raises(
+        ValueError, match=re.escape(f"{MORE}the differentiated batch arguments x and y;")
+    ):
+        micro_grad(
+            lambda w, x, y: jnp.sum(x @ w) + jnp.sum(y),
+            argnums=(0, 1, 2),
+            batch_argnums=(1, 2),
+            l2_clip_norm=1.0,
+            clip_method="ghost",
+        )
 
 
 def test_the_report_says_what_needs_the_per_example_gradients():
@@ -1803,7 +1820,9 @@ def test_the_report_says_what_needs_the_per_example_gradients():
     )
     report = microbatching.clipping_report(fn, jnp.ones((4, 2)), jnp.ones((6, 4)))
     assert report.method == "materialize"
-    assert report.reason == ("transform_fn=double and accumulator=MAX need each example's gradient")
+    assert report.reason == (
+        "each example's gradient is needed for transform_fn=double and accumulator=MAX"
+    )
 
 
 def test_clipping_report_takes_the_jitted_function_and_refuses_a_caller():

@@ -118,3 +118,21 @@ def test_unsigned_extrema_on_an_auto_mesh_with_batch_mesh_axes(kind):
         got = jax.jit(fun)(jax.device_put(x, NamedSharding(mesh, P("data"))))
     reduce = np.min if kind is AccumulationType.MIN else np.max
     np.testing.assert_array_equal(got, reduce(x, axis=0))
+
+
+@pytest.mark.parametrize("how", ["MAX", "MIN"])
+@pytest.mark.parametrize("microbatch_size", [4, None], ids=["microbatched", "whole"])
+def test_an_empty_batch_reduces_to_the_identity_in_every_transform(how, microbatch_size):
+    """MAX and MIN over no examples give their identity (``-inf``, ``inf``), as
+    ``microbatch`` already did; ``micro_vmap`` and ``micro_grad`` raised NumPy's
+    "zero-size array to reduction operation" (breaker round 24)."""
+    kind = AccumulationType[how]
+    identity = -jnp.inf if how == "MAX" else jnp.inf
+    x = jnp.ones((0, 3))
+    mapped = micro_vmap(lambda r: 2 * r, microbatch_size=microbatch_size, accumulator=kind)(x)
+    assert mapped.shape == (3,) and bool(jnp.all(mapped == identity))
+    grads, aux = micro_grad(
+        lambda w, r: jnp.sum(r @ w), microbatch_size=microbatch_size, accumulator=kind
+    )(jnp.ones(3), x)
+    assert grads.shape == (3,) and bool(jnp.all(grads == identity))
+    assert aux.values.shape == (0,)

@@ -286,6 +286,26 @@ def global_scale(g: Any) -> Any:
     return jax.tree.map(lambda x: x / (1 + total), g)
 
 
+def test_a_linear_output_is_said_to_come_from_the_sum_it_comes_from():
+    model = mlp()
+    whys = {
+        clipped: {
+            s.why
+            for s in microbatching.clipping_report(
+                grad_fn(model, MOMENTS, **({"l2_clip_norm": 1.0} if clipped else {})),
+                model.params,
+                *model.batch,
+            ).statistics
+            if s.form == "linear"
+        }
+        for clipped in (False, True)
+    }
+    assert whys == {
+        False: {"linear in the gradient: from the sum"},
+        True: {"linear in the gradient: from the clipped sum"},
+    }
+
+
 def test_a_clip_in_transform_fn_beside_l2_clip_norm_is_said_to_clip_twice():
     model = mlp()
     fn = grad_fn(model, global_scale, clip_method="auto", l2_clip_norm=1.0)
@@ -696,8 +716,8 @@ def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
     with pytest.raises(
         ValueError,
         match=r"clip_method='statistics', which sums the transformed gradients from the "
-        r"layers' activations and cotangents, but accumulator=MAX needs each example's "
-        r"gradient; use SUM or MEAN and leave the differentiated arguments out of "
+        r"layers' activations and cotangents, but each example's gradient is needed for "
+        r"accumulator=MAX; use SUM or MEAN and leave the differentiated arguments out of "
         r"batch_argnums, or clip_method='auto'\.",
     ):
         grad_fn(mlp(), MOMENTS, accumulator=AccumulationType.MAX)
@@ -706,8 +726,8 @@ def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
 def test_statistics_asked_for_with_a_differentiated_batch_argument():
     with pytest.raises(
         ValueError,
-        match=r"but accumulator=MAX and the differentiated batch argument w need each "
-        r"example's gradient;",
+        match=r"but each example's gradient is needed for accumulator=MAX and the "
+        r"differentiated batch argument w;",
     ):
         micro_grad(
             lambda w, x: jnp.sum(x @ w),

@@ -148,7 +148,7 @@ def _reduction(
         return finish(c).astype(c.dtype)
 
     def aggregate(x: Any) -> Any:
-        dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
+        dtype = _layout.reduced_dtype(x, how)
         wide = dtype if extremum else accumulation_dtype(dtype, requested)
         return _layout.reduce_rows(x, how, wide, dtype, mesh_axes)
 
@@ -557,7 +557,7 @@ def weighted_aggregate(
         if how in _layout.EXTREMA:
             rows = jnp.where(mask, x, jnp.asarray(_layout.identity(how, x.dtype), x.dtype))
             return _layout.reduce_rows(rows, how, x.dtype, x.dtype, mesh_axes)
-        dtype = jax.eval_shape(functools.partial(_layout.REDUCE[how], axis=0), x).dtype
+        dtype = _layout.reduced_dtype(x, how)
         if jnp.issubdtype(weights.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.inexact):
             dtype = jnp.promote_types(weights.dtype, jnp.float32)  # integers by floats: floats
         wide = accumulation_dtype(dtype, requested)

@@ -83,7 +83,7 @@ def locate(
     With ``pad`` a remainder runs in the loop as a whole microbatch whose padding rows are
     masked: a call without weights gets a mask of ones.
     """
-    _check_call(binding, args, kwargs)
+    check_call(binding, args, kwargs)
     axes: list[int | None] = []
     labels: list[str] = []
     leaves: list[Any] = []
@@ -167,7 +167,9 @@ def _varying_as(leaf: Any, weights: Any) -> Any:
     return jax.lax.pcast(jnp.asarray(leaf), missing, to="varying") if missing else leaf
 
 
-def _check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_call(binding: BatchAxes, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The call's arguments against ``binding``: in_axes' count, the batch arguments
+    present, ``example_weights`` where ``fun`` cannot take it, mapped keywords."""
     if binding.rest is TOO_MANY and len(args) > len(binding.positions):
         raise ValueError(
             f"in_axes has {len(binding.positions)} entries but {binding.fun_name} was called with "

@@ -64,6 +64,7 @@ def fused(fun: Function, axes: BatchAxes, settings: Settings, forward: Function)
         return loops[key]
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        _batch.check_call(axes, args, kwargs)  # before fun is traced below, with kwargs
         leaves, tree = jax.tree.flatten((args, kwargs))
         arrays = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
         program = _Program(fun, leaves, tree, arrays)

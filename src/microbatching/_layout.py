@@ -58,6 +58,12 @@ def reduce(x: jax.Array, how: str, axis: int, dtype: Any = None) -> jax.Array:
     return REDUCE[how](x, axis=axis, dtype=dtype)
 
 
+def reduced_dtype(x: Any, how: str) -> Any:
+    """The dtype of ``reduce(x, how, 0)``, traced on shapes: also for no rows, where
+    ``jnp.max`` itself raises."""
+    return jax.eval_shape(lambda v: reduce(v, how, 0), x).dtype
+
+
 @functools.partial(
     jax.tree_util.register_dataclass, data_fields=["value"], meta_fields=["dtype", "merge"]
 )

@@ -77,9 +77,9 @@ class Method:
                 raise ValueError(
                     "micro_grad was given clip_method='statistics', which sums the "
                     "transformed gradients from the layers' activations and cotangents, "
-                    f"but {_with_verb(request.unsummable, 'needs')} each example's "
-                    "gradient; use SUM or MEAN and leave the differentiated arguments out "
-                    "of batch_argnums, or clip_method='auto'."
+                    "but each example's gradient is needed for "
+                    f"{_joined(request.unsummable)}; use SUM or MEAN and leave the "
+                    "differentiated arguments out of batch_argnums, or clip_method='auto'."
                 )
             return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
@@ -118,8 +118,8 @@ class Method:
                 fixes.append("leave the differentiated arguments out of batch_argnums")
             raise ValueError(
                 f"micro_grad was given clip_method={name!r}, which sums the clipped "
-                f"gradients without forming them, but {_with_verb(request.unsummed, 'asks')} "
-                f"for more than their sum; pass clip_method='auto'{readable} or "
+                "gradients without forming them, but more than their sum is needed for "
+                f"{_joined(request.unsummed)}; pass clip_method='auto'{readable} or "
                 f"'materialize', or {_joined(fixes)}."
             )
         unclipped = clipping is None and request.metrics is _per_example.no_metrics
@@ -300,8 +300,9 @@ class GradRequest:
                 found.append(said)
         batched = [i for i in self.example.nums() if self.example.axes.spec(i) is not None]
         if batched:
-            labels = ", ".join(self.example.axes.label(i) for i in batched)
-            found.append(f"the differentiated batch argument {labels}")
+            labels = _joined([self.example.axes.label(i) for i in batched])
+            plural = "s" if len(batched) > 1 else ""
+            found.append(f"the differentiated batch argument{plural} {labels}")
         return found
 
     @property
@@ -532,14 +533,8 @@ def _joined(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def _with_verb(subjects: list[str], verb: str) -> str:
-    """``subjects`` joined and followed by ``verb``: singular as given (``needs``) for
-    one subject, plural (``need``) for more."""
-    return f"{_joined(subjects)} {verb if len(subjects) == 1 else verb.removesuffix('s')}"
-
-
 def _per_example_why(request: GradRequest) -> str:
-    return f"{_with_verb(request.unsummed, 'needs')} each example's gradient"
+    return f"each example's gradient is needed for {_joined(request.unsummed)}"
 
 
 def _per_example_plan(

@@ -389,7 +389,7 @@ def read(
     for path, value, out in zip(paths, values, outs, strict=True):
         if not jnp.issubdtype(out.dtype, jnp.floating):
             return f"transform_fn's output{_named(path)} is {out.dtype}, not a float"
-        statistic = _form(path, value, rules, sites)
+        statistic = _form(path, value, rules, sites, clipped)
         if statistic is None:
             return (
                 f"transform_fn's output{_named(path)} needs each example's whole gradient: "
@@ -448,14 +448,17 @@ def _unread(value: _Value, clipped: bool) -> str:
     return "it is neither elementwise nor linear in its gradient leaf"
 
 
-def _form(path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any]) -> Statistic | None:
+def _form(
+    path: str, value: _Value, rules: Sequence[Any], sites: Sequence[Any], clipped: bool
+) -> Statistic | None:
     if value.constant:
         return Statistic(path, "constant", why="reads no gradient")
     if -1 in value.deps:
         return None
     if value.linear:
         (leaf,) = value.deps if len(value.deps) == 1 else (None,)
-        return Statistic(path, "linear", leaf, why="linear in the gradient: from the clipped sum")
+        summed = "the clipped sum" if clipped else "the sum"
+        return Statistic(path, "linear", leaf, why=f"linear in the gradient: from {summed}")
     if not value.elementwise:
         return None
     (leaf,) = value.deps
