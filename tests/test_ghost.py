@@ -1792,7 +1792,8 @@ MORE = "but more than their sum is needed for "
 def test_a_forced_method_that_cannot_sum_without_the_gradients_is_an_error(options, says):
     with pytest.raises(
         ValueError,
-        match=r"clip_method='ghost', which sums the clipped gradients without forming them, "
+        match=r"clip_method='ghost', which computes the sum of the clipped gradients and "
+        r"nothing else, "
         rf"{re.escape(says)}",
     ):
         micro_grad(lambda w, x: jnp.sum(x @ w), l2_clip_norm=1.0, clip_method="ghost", **options)

@@ -717,8 +717,7 @@ def test_statistics_asked_for_with_an_accumulator_that_is_not_a_sum():
         ValueError,
         match=r"clip_method='statistics', which sums the transformed gradients from the "
         r"layers' activations and cotangents, but each example's gradient is needed for "
-        r"accumulator=MAX; use SUM or MEAN and leave the differentiated arguments out of "
-        r"batch_argnums, or clip_method='auto'\.",
+        r"accumulator=MAX; use SUM or MEAN, or pass clip_method='auto'\.",
     ):
         grad_fn(mlp(), MOMENTS, accumulator=AccumulationType.MAX)
 
@@ -727,7 +726,8 @@ def test_statistics_asked_for_with_a_differentiated_batch_argument():
     with pytest.raises(
         ValueError,
         match=r"but each example's gradient is needed for accumulator=MAX and the "
-        r"differentiated batch argument w;",
+        r"differentiated batch argument w; use SUM or MEAN and leave the differentiated "
+        r"arguments out of batch_argnums, or pass clip_method='auto'\.",
     ):
         micro_grad(
             lambda w, x: jnp.sum(x @ w),
@@ -894,3 +894,41 @@ def test_the_factorised_bound_holds_the_lost_entries_against_the_statistic():
     assert exact([[1e-20], [1e3]], [[1e18], [1e3]])
     assert not exact([[1e-25, 2e-25]], [[1e27]])
     assert exact([[1e-20]], [[1e18]], live=[False])
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [lambda g: jnp.sqrt(jnp.abs(g)), jnp.sign, lambda g: jnp.abs(g) ** 0.25, jnp.square],
+    ids=["sqrt", "sign", "fourth root", "square"],
+)
+def test_a_clipped_cotangent_flushed_below_tiny_takes_the_per_example_form(transform):
+    """The factorised form takes ``m(c d)``; at clip factor ``c = 1e-18`` against
+    ``d = 1e-9`` (an example whose gradient ``1e19`` is clipped) ``c d`` flushes to 0,
+    though ``c a d`` is normal, and ``sqrt`` or ``sign`` of 0 dropped the example from
+    the statistic (breaker round 25). Degree below 1 checks the products for it."""
+
+    def loss(p, x, y):
+        return jnp.sum((x @ p) * y)
+
+    p, x, y = jnp.zeros((1, 1)), jnp.array([[1e28], [1.0]]), jnp.array([[1e-9], [1e-9]])
+    fn = micro_grad(loss, batch_argnums=(1, 2), transform_fn=transform, l2_clip_norm=1e-18)
+    assert microbatching.clipping_report(fn, p, x, y).statistics[0].form == "factorised"
+    each = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[:, None], y[:, None])
+    clipped = each * jnp.minimum(1.0, 1e-18 / jnp.abs(each))
+    assert_close(fn(p, x, y)[0], jnp.sum(jax.vmap(transform)(clipped), axis=0))
+
+
+def test_a_sign_whose_clip_factor_comes_from_another_leaf_keeps_every_example():
+    """One clip group: the other leaf's gradient of ``1e36`` makes the first example's
+    factor about ``1e-36``, and its ``w`` cotangent ``1e-3`` times it flushes to 0."""
+
+    def loss(p, x, y, z):
+        return jnp.sum((x @ p["w"]) * y) + jnp.sum(p["u"] * z)
+
+    p = {"w": jnp.zeros((1, 1)), "u": jnp.zeros((1, 1))}
+    x, y = jnp.array([[1e6], [1.0]]), jnp.array([[1e-3], [1e-3]])
+    z = jnp.array([[1e36], [0.0]])
+    fn = micro_grad(
+        loss, batch_argnums=(1, 2, 3), transform_fn=lambda g: jnp.sign(g["w"]), l2_clip_norm=1.0
+    )
+    assert_close(fn(p, x, y, z)[0], jnp.array([[2.0]]))

@@ -78,8 +78,8 @@ class Method:
                     "micro_grad was given clip_method='statistics', which sums the "
                     "transformed gradients from the layers' activations and cotangents, "
                     "but each example's gradient is needed for "
-                    f"{_joined(request.unsummable)}; use SUM or MEAN and leave the "
-                    "differentiated arguments out of batch_argnums, or clip_method='auto'."
+                    f"{_joined(request.unsummable)}; {_joined(_fixes(request, False))}, or "
+                    "pass clip_method='auto'."
                 )
             return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
@@ -106,21 +106,11 @@ class Method:
         if name != "materialize" and not request.summed:
             # Only a transform_fn in the way: the statistics method may read it.
             readable = "" if request.unsummable else ", 'statistics'"
-            fixes = []
-            if request.transform is not _per_example.identity:
-                fixes.append(
-                    "drop transform_fn (any function given counts, even one that returns "
-                    "the gradient)"
-                )
-            if not _accumulators.is_linear(request.accumulators):
-                fixes.append("use SUM or MEAN")
-            if request.batched_grad:
-                fixes.append("leave the differentiated arguments out of batch_argnums")
             raise ValueError(
-                f"micro_grad was given clip_method={name!r}, which sums the clipped "
-                "gradients without forming them, but more than their sum is needed for "
-                f"{_joined(request.unsummed)}; pass clip_method='auto'{readable} or "
-                f"'materialize', or {_joined(fixes)}."
+                f"micro_grad was given clip_method={name!r}, which computes the sum of "
+                "the clipped gradients and nothing else, but more than their sum is needed "
+                f"for {_joined(request.unsummed)}; pass clip_method='auto'{readable} or "
+                f"'materialize', or {_joined(_fixes(request, True))}."
             )
         unclipped = clipping is None and request.metrics is _per_example.no_metrics
         if name != "materialize" and unclipped:
@@ -531,6 +521,21 @@ _NO_STATISTICS = (
 def _joined(items: list[str]) -> str:
     """``items`` as a sentence lists them: ``a``, ``a and b``, ``a, b and c``."""
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _fixes(request: GradRequest, transform: bool) -> list[str]:
+    """What the user can change for each of ``request.unsummed`` (without the
+    ``transform_fn`` unless ``transform``), as the end of "or ...": the fixes that apply."""
+    fixes = []
+    if transform and request.transform is not _per_example.identity:
+        fixes.append(
+            "drop transform_fn (any function given counts, even one that returns the gradient)"
+        )
+    if not _accumulators.is_linear(request.accumulators):
+        fixes.append("use SUM or MEAN")
+    if request.batched_grad:
+        fixes.append("leave the differentiated arguments out of batch_argnums")
+    return fixes
 
 
 def _per_example_why(request: GradRequest) -> str:

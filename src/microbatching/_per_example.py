@@ -651,7 +651,8 @@ def statistics(
     drops = clipping is not None and clipping.nan_safe
     clean = given is not None or drops
     checked = norms if sums.branches else None
-    each = _statistics.Rows(scale, groups, weights, keep, clean, checked, drops)
+    clipped = clipping is not None
+    each = _statistics.Rows(scale, groups, weights, keep, clean, checked, drops, clipped)
 
     def tree(leaves: list[Any]) -> PyTree:
         return split.gradient(example, leaves)

@@ -529,6 +529,7 @@ class Rows:
       drops: Whether a row of clip factor 0 is left out (``nan_safe``); otherwise its
         gradient times 0 enters, NaN where the gradient is infinite, as on every
         method (round 16).
+      clipped: Whether ``scale`` holds clip factors; else it is ones.
     """
 
     scale: jax.Array
@@ -538,6 +539,7 @@ class Rows:
     clean: bool
     norms: jax.Array | None = None
     drops: bool = False
+    clipped: bool = False
 
     def nonzero(self, clip: jax.Array) -> jax.Array:
         """The rows whose terms enter by ``clip``: of factor other than 0 where ``drops``,
@@ -655,8 +657,8 @@ def _factorised(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``sum_b w_b m(a_b) (outer) m(c_b d_b)`` at the leaf's one dense site, in the leaf's
     layout: the site's own product, at ``m`` of its rows; and whether it is exact for
-    the microbatch (``_exact_terms``), None for a monomial of degree 0 (``sign``,
-    ``x != 0``), whose rows are 0 or 1 in magnitude and lose nothing."""
+    the microbatch (``_exact_terms`` for ``m`` of degree 1 or more, ``_unflushed`` for
+    less under clipping), None where nothing can be lost (degree below 1, unclipped)."""
     leaf, m = statistic.leaf, statistic.monomial
     assert leaf is not None and m is not None  # for the type checker: a factorised form
     k = program.rules[leaf].sites[0]
@@ -677,16 +679,34 @@ def _factorised(
     (product,) = _ghost.scaled_products(
         program, params, here, [leaf], [k], rows.weights, kept, clean=True
     )
-    if m.n + m.r == 0:
-        return product, None
+    live = kept & (clip != 0) & (rows.weights != 0)
+    if m.n + m.r < 1:
+        # ``m`` of a value below ``tiny`` can be far above it (``sqrt``; ``sign`` is 1):
+        # a clipped cotangent ``c d`` that rounds below ``tiny`` changes the statistic
+        # by more than any bound on ``tiny``. Without clipping ``d`` enters as it is.
+        return product, _unflushed(seen.cotangents[k], clip, live) if rows.clipped else None
     # The weights multiply the side that ``scaled_products`` scales: checked as used.
     on_data = _ghost.scales_data(program, here, k)
     sides = (
         _Side(seen.inputs[k], None, rows.weights if on_data else None),
         _Side(seen.cotangents[k], clip, None if on_data else rows.weights),
     )
-    live = kept & (clip != 0) & (rows.weights != 0)
     return product, _exact_terms(m, sides, live)
+
+
+def _unflushed(cotangents: Sequence[jax.Array], clip: jax.Array, live: jax.Array) -> jax.Array:
+    """Whether no ``live`` example's nonzero cotangent entry ``d`` times its clip factor
+    ``c`` rounds below ``tiny``: the factorised form takes ``m(c d)``, where the
+    per-example form takes ``m`` of ``c`` times the gradient's entry ``a d``, and for
+    ``m`` of degree below 1 (``sign``, ``sqrt|x|``) a product flushed to 0 or rounded
+    among the subnormals is an error of about ``m(tiny)``, not ``tiny``. Rounding is
+    monotone, so the row's smallest nonzero ``|d|`` decides (one pass per row)."""
+    rows = live.shape[0]
+    flat = jnp.concatenate([jnp.reshape(d, (rows, -1)) for d in cotangents], axis=1)
+    magnitude = jnp.abs(flat)
+    smallest = jnp.min(jnp.where(magnitude > 0, magnitude, jnp.inf), axis=1)
+    scaled = jnp.abs(clip).astype(flat.dtype) * smallest
+    return jnp.all(~live | jnp.isinf(smallest) | (scaled >= jnp.finfo(flat.dtype).tiny))
 
 
 @dataclasses.dataclass(frozen=True)
