@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -932,3 +932,39 @@ def test_a_sign_whose_clip_factor_comes_from_another_leaf_keeps_every_example():
         loss, batch_argnums=(1, 2, 3), transform_fn=lambda g: jnp.sign(g["w"]), l2_clip_norm=1.0
     )
     assert_close(fn(p, x, y, z)[0], jnp.array([[2.0]]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    x_exp=st.integers(-20, 20),
+    d_exp=st.integers(-30, 0),
+    clip_exp=st.integers(-40, 0),
+    name=st.sampled_from(["sign", "sqrt", "square"]),
+)
+@example(x_exp=20, d_exp=-10, clip_exp=-30, name="sign")
+@example(x_exp=20, d_exp=-10, clip_exp=-35, name="sqrt")
+def test_clipped_factorised_statistics_match_the_reference_at_every_scale(
+    x_exp, d_exp, clip_exp, name
+):
+    """Clip factors ``10**clip_exp`` (an example whose gradient is far above the bound)
+    against cotangents ``10**d_exp`` and activations ``10**x_exp``, beside an example of
+    unit scale in the same microbatch: every form equals ``vmap(grad)``, then the clip,
+    the function and the sum, wherever the reference's own norms and the bound are in
+    range (gradient entries within ``1e+-15``: their squares do not underflow). The two
+    examples are cases that dropped the first example before breaker round 25."""
+    transform = {"sign": jnp.sign, "sqrt": lambda g: jnp.sqrt(jnp.abs(g)), "square": jnp.square}
+    bound = 10.0**clip_exp * 10.0 ** (x_exp + d_exp)  # the first example's factor
+    assume(1e-30 < bound < 1e30 and abs(x_exp + d_exp) <= 15)
+
+    def loss(p, x, y):
+        return jnp.sum((x @ p) * y)
+
+    p = jnp.zeros((2, 1))
+    x = jnp.array([[10.0**x_exp, 2 * 10.0**x_exp], [1.0, -1.0]])
+    y = jnp.array([[10.0**d_exp], [1.0]])
+    fn = micro_grad(loss, batch_argnums=(1, 2), transform_fn=transform[name], l2_clip_norm=bound)
+    each = jax.vmap(jax.grad(loss), (None, 0, 0))(p, x[:, None], y[:, None])
+    norms = jnp.sqrt(jnp.sum(each**2, axis=(1, 2)))
+    clipped = each * jnp.minimum(1.0, bound / norms)[:, None, None]
+    want = jnp.sum(jax.vmap(transform[name])(clipped), axis=0)
+    assert_close(fn(p, x, y)[0], want, factor=4)
