@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from microbatching import (
     AccumulationType,
     Accumulator,
+    l2_norm,
     micro_grad,
     micro_vmap,
     microbatch,
@@ -334,6 +335,126 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     assert fast <= 1.5 * base
     assert one_by_one >= 256 * gradient_bytes  # a microbatch of per-example gradients
     assert clipped <= 2 * 16 * gradient_bytes + 2 * base  # norms 16 rows at a time
+
+
+def _chunk_loss(params, x, y):
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    value = jnp.sum((h @ params["v"] - y) ** 2)
+    return value, {"value": value, "first": h[0]}
+
+
+_CHUNK_PARAMS = {
+    "w": random_array(10, (5, 6), jnp.float32),
+    "b": random_array(11, (6,), jnp.float32),
+    "v": random_array(12, (6, 2), jnp.float32),
+}
+_CHUNK_GRADIENT_BYTES = 4 * (5 * 6 + 6 + 6 * 2)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("rows_at_once", [1, 3, 12])  # 3: the largest divisor of 12 below 4
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"l2_clip_norm": 0.5},
+        {"l2_clip_norm": {"w": 0.3, "b": 0.2, "v": 0.4}, "weighted": True},
+        {"l2_clip_norm": 0.5, "nan_safe": True, "weighted": True, "nan_row": True},
+        {"metrics_fn": "norms", "accumulator": MEAN},
+        {"bfloat16": True},
+    ],
+    ids=["clipped", "per-leaf-weighted", "nan-safe", "metrics-mean", "bf16-unclipped"],
+)
+def test_materialize_in_chunks_matches_the_per_example_reference(
+    monkeypatch, rows_at_once, options
+):
+    """``explicit`` forms the per-example gradients ``EXPLICIT_CHUNK_BYTES`` at a time and
+    adds the chunks' sums: checked against ``vmap(grad)``, clipped and summed here, at one
+    row, three rows and the whole microbatch at once, with weights, per-leaf bounds, a
+    NaN row dropped by ``nan_safe``, metrics, aux, a remainder and a bfloat16 model."""
+    monkeypatch.setattr(
+        per_example_room, "EXPLICIT_CHUNK_BYTES", rows_at_once * _CHUNK_GRADIENT_BYTES
+    )
+    options = dict(options)
+    narrow = options.pop("bfloat16", False)
+    weighted, nan_row = options.pop("weighted", False), options.pop("nan_row", False)
+    norms = options.pop("metrics_fn", None) == "norms"
+    dtype = jnp.bfloat16 if narrow else jnp.float32
+    params = jax.tree.map(lambda p: p.astype(dtype), _CHUNK_PARAMS)
+    x = random_array(13, (28, 5), jnp.float32).astype(dtype)  # 2 microbatches and 4 rows
+    y = random_array(14, (28, 2), jnp.float32).astype(dtype)
+    if nan_row:
+        x = x.at[5, 0].set(jnp.nan)
+    weights = jnp.asarray(np.random.default_rng(0).uniform(0, 2, 28)).at[3].set(0.0)
+    fn = micro_grad(
+        _chunk_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=12,
+        allow_remainder=True,
+        has_aux=True,
+        keep_batch_dim=False,
+        clip_method="materialize",
+        **({"metrics_fn": l2_norm} if norms else {}),
+        **options,
+    )
+    call = functools.partial(fn, example_weights=weights) if weighted else fn
+    grads, aux = jax.jit(call)(params, x, y)
+    jax.tree.map(lambda g, p: assert_equal_dtype(g, p), grads, params)
+
+    each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
+    per_example = jax.tree.map(lambda g: np.asarray(g, np.float64), each(params, x, y))
+    scale = np.asarray(weights if weighted else np.ones(28))
+    bound = options.get("l2_clip_norm")
+    if isinstance(bound, dict):
+        factors = {
+            k: np.minimum(1, bound[k] / np.sqrt(np.sum(np.reshape(g, (28, -1)) ** 2, 1)))
+            for k, g in per_example.items()
+        }
+    elif bound is not None:
+        total = sum(np.sum(np.reshape(g, (28, -1)) ** 2, 1) for g in per_example.values())
+        factors = dict.fromkeys(per_example, np.minimum(1, bound / np.sqrt(total)))
+    else:
+        factors = dict.fromkeys(per_example, np.ones(28))
+    keep = scale != 0
+    if nan_row:
+        keep[5] = False
+    want = {
+        k: np.tensordot(
+            np.where(keep, scale * factors[k], 0),
+            np.where(keep.reshape(-1, *[1] * (g.ndim - 1)), g, 0),
+            1,
+        )
+        for k, g in per_example.items()
+    }
+    if options.get("accumulator") is MEAN:
+        want = jax.tree.map(lambda g: g / 28, want)
+    assert_close(
+        jax.tree.map(lambda g: np.asarray(g, np.float64), grads), want, dtype=dtype, terms=28
+    )
+    values = np.asarray(aux.values, np.float64)
+    assert values.shape == (28,) and np.all(np.isfinite(values[keep]))
+    assert aux.aux["first"].shape == (28,)
+    if norms:
+        total = sum(np.sum(np.reshape(g, (28, -1)) ** 2, 1) for g in per_example.values())
+        assert_close(np.asarray(aux.metrics, np.float64), np.sqrt(total), dtype=dtype)
+
+
+def assert_equal_dtype(got, want):
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+
+
+@pytest.mark.compiled
+def test_materialize_holds_one_chunk_of_per_example_gradients(monkeypatch):
+    params = [random_array(0, (64, 256), jnp.float32), random_array(1, (256, 16), jnp.float32)]
+    x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
+    gradient_bytes = 4 * (64 * 256 + 256 * 16)
+    common = {"batch_argnums": (1, 2), "microbatch_size": 256, "clip_method": "materialize"}
+    temps = []
+    for rows in [16, 256]:  # a fresh function each: traces are cached per function
+        monkeypatch.setattr(per_example_room, "EXPLICIT_CHUNK_BYTES", rows * gradient_bytes)
+        temps.append(_temp(micro_grad(_mlp_loss, l2_clip_norm=1.0, **common), params, x, y))
+    chunked, whole = temps
+    assert whole >= 256 * gradient_bytes  # a microbatch of per-example gradients at once
+    assert chunked <= 3 * 16 * gradient_bytes  # 16 rows at a time
 
 
 # --- accumulation precision ------------------------------------------------------------
