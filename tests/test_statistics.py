@@ -21,7 +21,7 @@ import microbatching
 from microbatching import AccumulationType, micro_grad
 from microbatching._statistics import Monomial, _read_values
 
-from .strategies import assert_close, equations
+from .strategies import assert_close, equations, random_array
 from .test_ghost import (
     MICROBATCH,
     Model,
@@ -654,6 +654,37 @@ def test_a_batch_split_over_a_mesh_takes_the_per_example_path(axis_type):
         got, _ = jax.jit(fn)(model.params, *batch)
     assert report.method == "materialize" and "split over a mesh" in report.reason
     assert_close(got, reference(per_example_grads(model), MOMENTS), terms=2, factor=4)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e26], ids=["ordinary", "fallback"])
+def test_statistics_inside_shard_map(scale):
+    """``(g, g**2)`` by the statistics method inside ``shard_map``, each device's rows of
+    the batch its own: at ordinary scales, and with activations of 1e-25 against
+    cotangents of 1e26 in one example, where the factorised form takes the branch that
+    reads each example's gradient (its scan began from zeros typed on no mesh axis, which
+    ``shard_map`` refused: the sums vary over the batch's axis)."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    w = random_array(0, (5, 3), jnp.float32)
+    x = np.array(random_array(1, (16, 5), jnp.float32))
+    s = np.ones(16, np.float32)
+    x[5], s[5] = x[5] / scale, scale
+    loss = lambda w, x, s: s * jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    fn = microbatching.micro_grad(
+        loss, batch_argnums=(1, 2), keep_batch_dim=False, microbatch_size=2,
+        transform_fn=lambda g: (g, g**2), clip_method="statistics",
+    )  # fmt: skip
+
+    def local(w, x, s):
+        (total, squares), _ = fn(jax.lax.pcast(w, ("data",), to="varying"), x, s)
+        return jax.lax.psum(total, "data"), jax.lax.psum(squares, "data")
+
+    with jax.set_mesh(mesh):
+        x_, s_ = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data"))) for a in (x, s))
+        mapped = jax.shard_map(local, in_specs=(P(), P("data"), P("data")), out_specs=P())
+        got = jax.jit(mapped)(w, x_, s_)
+    each = np.asarray(jax.vmap(jax.grad(loss), (None, 0, 0))(w, x, s), np.float64)
+    assert_close(np.asarray(got[0], np.float64), each.sum(0), dtype=jnp.float32, terms=16)
+    assert_close(np.asarray(got[1], np.float64), (each**2).sum(0), dtype=jnp.float32, terms=16)
 
 
 def test_a_transform_closing_over_traced_values():

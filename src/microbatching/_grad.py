@@ -76,8 +76,11 @@ def micro_grad(
       fun: A scalar loss, e.g. ``fun(params, batch, ...)``.
       has_aux: Whether ``fun`` returns ``(loss, aux)``.
       argnums: The argument(s) to differentiate.
-      batch_argnums: The argument(s) with a batch axis 0. Keyword arguments of the call
-        are mapped along axis 0 as well, as in ``jax.vmap``. Left at its default, a
+      batch_argnums: The argument(s) with a batch axis 0. An entry applies to its
+        parameter whether the call passes it by position or by keyword (``fn(p, x=x)``
+        with ``batch_argnums=1`` splits ``x``; a parameter left out is passed whole to
+        every example either way). Keyword arguments that name no positional
+        parameter are mapped along axis 0, as in ``jax.vmap``. Left at its default, a
         warning names any other positional argument whose leading axis has the batch's
         size (passed whole to every example); pass ``batch_argnums`` to silence it.
       keep_batch_dim: If True, ``fun`` sees each example as a batch of one (axis 0 of

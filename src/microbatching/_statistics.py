@@ -826,7 +826,9 @@ def _direct(
         return new, None
 
     start = [jnp.zeros(s, wide) for s, (_, wide) in zip(shapes, dtypes, strict=True)]
-    totals, _ = jax.lax.scan(body, start, xs)
+    # typed as the sums come out: inside shard_map they vary over the batch's mesh axes
+    typed = jax.eval_shape(lambda c, x: body(c, x)[0], start, jax.tree.map(lambda x: x[0], xs))
+    totals, _ = jax.lax.scan(body, [_sharding.full(t, 0) for t in typed], xs)
     return [
         t if wide == dtype else _layout.Open(t, dtype)
         for t, (dtype, wide) in zip(totals, dtypes, strict=True)
