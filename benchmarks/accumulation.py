@@ -277,7 +277,10 @@ def eager_calls(reps: int) -> str:
 
 def narrow_parameters(examples: int, reps: int) -> str:
     """``micro_grad`` of bfloat16 parameters: per-example sums in float32 (the default) or
-    the summed-gradient fast path in bfloat16 (``accumulation_dtype=jnp.bfloat16``)."""
+    the summed-gradient fast path in bfloat16 (``accumulation_dtype=jnp.bfloat16``), and
+    the clipped sum (``materialize``, per-example gradients a chunk at a time); beside
+    them ``microbatch(jax.grad(loss))``, whose microbatch gradients are bfloat16 and
+    whose carry is float32."""
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp((784, 512, 512, 10)))
     x, y = data(examples, 784, 10)
     x = x.astype(jnp.bfloat16)
@@ -287,6 +290,12 @@ def narrow_parameters(examples: int, reps: int) -> str:
         ),
         "`accumulation_dtype=jnp.bfloat16`: summed gradient": mb.micro_grad(
             loss, batch_argnums=(1, 2), microbatch_size=256, accumulation_dtype=jnp.bfloat16
+        ),
+        "`l2_clip_norm=1.0`: per-example gradients clipped and summed in float32": mb.micro_grad(
+            loss, batch_argnums=(1, 2), microbatch_size=256, l2_clip_norm=1.0
+        ),
+        "`microbatch(jax.grad(loss), MEAN)`: one gradient per microbatch, summed in float32": (
+            mb.microbatch(jax.grad(loss), argnums=(1, 2), microbatch_size=256, accumulator=MEAN)
         ),
     }
     seconds = interleaved(ways, (params, x, y), reps)
