@@ -188,6 +188,35 @@ def test_fast_path_rule_takes_only_what_it_can_prove():
     assert _exact(relu_loss, scaled=False, dtype=jnp.float16, requested=jnp.float16)
 
 
+def test_the_report_says_why_the_summed_gradient_is_not_taken():
+    """``clipping_report`` names the reason the per-example gradients are formed without
+    clipping: a dtype narrower than its accumulation (with the spelling that takes one
+    gradient per microbatch), or a backward rule that weights cannot be proven linear
+    through."""
+    from microbatching import clipping_report
+
+    def mixed(p, v):  # float32 parameters, bfloat16 compute
+        return jnp.sum(jnp.tanh(v.astype(jnp.bfloat16) @ p.astype(jnp.bfloat16)))
+
+    report = clipping_report(micro_grad(mixed, microbatch_size=4), P, X)
+    assert report.method == "materialize"
+    assert report.reason == (
+        "not one gradient per microbatch: "
+        + per_example.NARROWER.format(dtype="bfloat16", wide="float32")
+    )
+    assert "microbatch(jax.grad(fun), accumulator=MEAN)" in report.reason
+    weights = jnp.ones(X.shape[0])
+    report = clipping_report(
+        micro_grad(clipped_loss, microbatch_size=4), P, X, example_weights=weights
+    )
+    assert report.method == "materialize"
+    assert report.reason.startswith("not one gradient per microbatch: the loss holds a custom")
+    same = clipping_report(
+        micro_grad(mixed, microbatch_size=4, accumulation_dtype=jnp.bfloat16), P, X
+    )
+    assert same.method == "plain"
+
+
 def test_custom_vjp_nested_in_a_custom_jvp_rule_is_seen():
     @jax.custom_jvp
     def f(x):

@@ -448,12 +448,15 @@ def plan(
         return found
     scaled = request.clipping is not None or weighted
 
-    proven: dict[bool, bool] = {}
+    differs: dict[bool, str | None] = {}
 
-    def exact(scaled: bool = scaled) -> bool:  # each traces the loss's JVP: at most once
-        if scaled not in proven:
-            proven[scaled] = _per_example.summed_is_exact(sums, scaled, args, kwargs)
-        return proven[scaled]
+    def why_not(scaled: bool = scaled) -> str | None:  # each traces the loss's JVP once
+        if scaled not in differs:
+            differs[scaled] = _per_example.summed_differs(sums, scaled, args, kwargs)
+        return differs[scaled]
+
+    def exact(scaled: bool = scaled) -> bool:
+        return why_not(scaled) is None
 
     def not_linear() -> ValueError:
         return ValueError(_NOT_LINEAR.format(method=asked))
@@ -461,7 +464,7 @@ def plan(
     if request.clipping is None and sums.metrics is None:  # auto or materialize (check)
         if asked != "materialize" and exact():
             return each(PLAIN, "unused", "no clipping and no norms", exact(True))
-        why = _ASKED if asked == "materialize" else "the summed loss's gradient is not exact"
+        why = _ASKED if asked == "materialize" else f"not one gradient per microbatch: {why_not()}"
         return each(MATERIALIZE, "per-example", why)
     if asked == "materialize":
         return each(MATERIALIZE, "per-example", _ASKED)

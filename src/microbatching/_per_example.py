@@ -887,7 +887,15 @@ def summed_is_exact(
     sums: Sums, scaled: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
     """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
-    per-example gradients, as accumulated.
+    per-example gradients, as accumulated (``summed_differs`` says why not)."""
+    return summed_differs(sums, scaled, args, kwargs) is None
+
+
+def summed_differs(
+    sums: Sums, scaled: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """Why the gradient of the (weighted) summed loss may differ from the (weighted) sum
+    of the per-example gradients, as accumulated; None where it equals it.
 
     Two conditions, checked on the JVP of this call's loss, which holds every value that
     the backward pass sums over examples or scales by a cotangent:
@@ -903,7 +911,7 @@ def summed_is_exact(
         jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
         for leaf in jax.tree.leaves([args[i] for i in nums])
     ):
-        return False  # the per-example path lets jax.grad say what is wrong
+        return "a differentiated leaf is not a float array"  # jax.grad says so in the loop
 
     def tangents(*primals: Any) -> Any:
         def values(*diff: Any) -> Any:
@@ -918,5 +926,20 @@ def summed_is_exact(
     for dtype in _programs.float_dtypes(program):
         wide = _accumulators.accumulation_dtype(dtype, sums.requested)
         if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
-            return False
-    return not scaled or not _programs.calls(program, _programs.NOT_LINEAR_IN_COTANGENT)
+            return NARROWER.format(dtype=jnp.dtype(dtype).name, wide=jnp.dtype(wide).name)
+    if scaled and _programs.calls(program, _programs.NOT_LINEAR_IN_COTANGENT):
+        return (
+            "the loss holds a custom VJP or JVP rule, a custom linear solve or "
+            "lax.reduce_precision, which the backward pass of the weighted loss cannot be "
+            "proven linear through"
+        )
+    return None
+
+
+NARROWER = (
+    "the loss computes in {dtype}, narrower than its accumulation dtype {wide}, so one "
+    "backward pass would sum the examples in {dtype}: the per-example gradients are "
+    "summed in {wide} instead (for the mean gradient, microbatch(jax.grad(fun), "
+    "accumulator=MEAN) takes one gradient per microbatch and sums those in {wide})"
+)
+"""Why ``auto`` forms the per-example gradients of a narrow model (``summed_differs``)."""
