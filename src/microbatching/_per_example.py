@@ -462,11 +462,10 @@ def explicit(
     factor and weight, and added up in the accumulation dtype.
 
     Each example's clip factor reads its own gradient only, so the gradients are formed
-    a chunk of rows at a time (``EXPLICIT_CHUNK_BYTES``) and each
-    chunk's sum is added to the last: the same terms, summed in the same dtype, with
-    memory for one chunk of gradients instead of the microbatch's. One shard's rows of a
-    batch split over a mesh (``Sums.by_shard``, run vmapped over the shards) are taken
-    at once."""
+    a chunk of rows at a time (``EXPLICIT_CHUNK_BYTES``) and each chunk's sum is added
+    to the last: the same terms, summed in the same dtype, with memory for one chunk of
+    gradients instead of the microbatch's. One shard's rows of a batch split over a mesh
+    (``Sums.by_shard``, run vmapped over the shards) are taken at once."""
     rows, size = _chunk_rows(sums.example, args, kwargs, EXPLICIT_CHUNK_BYTES)
     if size in (0, rows) or sums.by_shard:
         return _explicit(sums, given, args, kwargs)
