@@ -438,6 +438,48 @@ def test_materialize_in_chunks_matches_the_per_example_reference(
         assert_close(np.asarray(aux.metrics, np.float64), np.sqrt(total), dtype=dtype)
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 13),
+    size=st.integers(1, 8),
+    at_once=st.integers(1, 5),
+    bound=st.sampled_from([None, 0.05, 1.0, 1e3]),
+    weighted=st.booleans(),
+)
+def test_materialize_in_chunks_matches_the_reference_for_any_sizes(
+    rows, size, at_once, bound, weighted
+):
+    """Any batch, microbatch and chunk bound (a remainder, chunks that do not divide the
+    microbatch, a chunk of the whole microbatch), clipped or not, weighted or not: the
+    chunked per-example sum is ``vmap(grad)``'s, clipped and weighted in float64."""
+    size = min(size, rows)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(per_example_room, "EXPLICIT_CHUNK_BYTES", at_once * _CHUNK_GRADIENT_BYTES)
+        fn = micro_grad(
+            lambda p, x, y: _chunk_loss(p, x, y)[0],
+            batch_argnums=(1, 2),
+            microbatch_size=size,
+            allow_remainder=True,
+            keep_batch_dim=False,
+            clip_method="materialize",
+            **({} if bound is None else {"l2_clip_norm": bound}),
+        )
+        x = random_array(20 + rows, (rows, 5), jnp.float32)
+        y = random_array(40 + rows, (rows, 2), jnp.float32)
+        weights = jnp.asarray(np.random.default_rng(rows).uniform(0, 2, rows), jnp.float32)
+        call = functools.partial(fn, example_weights=weights) if weighted else fn
+        grads, aux = call(_CHUNK_PARAMS, x, y)
+    each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
+    per_example = {k: np.asarray(g, np.float64) for k, g in each(_CHUNK_PARAMS, x, y).items()}
+    norms = np.sqrt(sum(np.sum(g.reshape(rows, -1) ** 2, 1) for g in per_example.values()))
+    factors = np.ones(rows) if bound is None else np.minimum(1, bound / norms)
+    scale = factors * (np.asarray(weights, np.float64) if weighted else 1.0)
+    want = {k: np.tensordot(scale, g, 1) for k, g in per_example.items()}
+    got = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    assert_close(got, want, dtype=jnp.float32, terms=rows)
+    assert aux.values.shape == (rows,)
+
+
 def assert_equal_dtype(got, want):
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
 
