@@ -400,31 +400,12 @@ def test_materialize_in_chunks_matches_the_per_example_reference(
     grads, aux = jax.jit(call)(params, x, y)
     jax.tree.map(lambda g, p: assert_equal_dtype(g, p), grads, params)
 
-    each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
-    per_example = jax.tree.map(lambda g: np.asarray(g, np.float64), each(params, x, y))
+    per_example = _chunk_per_example(params, x, y)
     scale = np.asarray(weights if weighted else np.ones(28))
-    bound = options.get("l2_clip_norm")
-    if isinstance(bound, dict):
-        factors = {
-            k: np.minimum(1, bound[k] / np.sqrt(np.sum(np.reshape(g, (28, -1)) ** 2, 1)))
-            for k, g in per_example.items()
-        }
-    elif bound is not None:
-        total = sum(np.sum(np.reshape(g, (28, -1)) ** 2, 1) for g in per_example.values())
-        factors = dict.fromkeys(per_example, np.minimum(1, bound / np.sqrt(total)))
-    else:
-        factors = dict.fromkeys(per_example, np.ones(28))
     keep = scale != 0
     if nan_row:
         keep[5] = False
-    want = {
-        k: np.tensordot(
-            np.where(keep, scale * factors[k], 0),
-            np.where(keep.reshape(-1, *[1] * (g.ndim - 1)), g, 0),
-            1,
-        )
-        for k, g in per_example.items()
-    }
+    want = _clipped_sum(per_example, options.get("l2_clip_norm"), scale, keep)
     if options.get("accumulator") is MEAN:
         want = jax.tree.map(lambda g: g / 28, want)
     assert_close(
@@ -434,8 +415,7 @@ def test_materialize_in_chunks_matches_the_per_example_reference(
     assert values.shape == (28,) and np.all(np.isfinite(values[keep]))
     assert aux.aux["first"].shape == (28,)
     if norms:
-        total = sum(np.sum(np.reshape(g, (28, -1)) ** 2, 1) for g in per_example.values())
-        assert_close(np.asarray(aux.metrics, np.float64), np.sqrt(total), dtype=dtype)
+        assert_close(np.asarray(aux.metrics, np.float64), _norms(per_example), dtype=dtype)
 
 
 @settings(max_examples=12, deadline=None)
@@ -469,15 +449,42 @@ def test_materialize_in_chunks_matches_the_reference_for_any_sizes(
         weights = jnp.asarray(np.random.default_rng(rows).uniform(0, 2, rows), jnp.float32)
         call = functools.partial(fn, example_weights=weights) if weighted else fn
         grads, aux = call(_CHUNK_PARAMS, x, y)
-    each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
-    per_example = {k: np.asarray(g, np.float64) for k, g in each(_CHUNK_PARAMS, x, y).items()}
-    norms = np.sqrt(sum(np.sum(g.reshape(rows, -1) ** 2, 1) for g in per_example.values()))
-    factors = np.ones(rows) if bound is None else np.minimum(1, bound / norms)
-    scale = factors * (np.asarray(weights, np.float64) if weighted else 1.0)
-    want = {k: np.tensordot(scale, g, 1) for k, g in per_example.items()}
+    scale = np.asarray(weights, np.float64) if weighted else np.ones(rows)
+    want = _clipped_sum(_chunk_per_example(_CHUNK_PARAMS, x, y), bound, scale, np.ones(rows, bool))
     got = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
     assert_close(got, want, dtype=jnp.float32, terms=rows)
     assert aux.values.shape == (rows,)
+
+
+def _chunk_per_example(params, x, y):
+    """Each example's gradient of ``_chunk_loss`` by ``vmap(grad)``, in float64."""
+    each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
+    return {k: np.asarray(g, np.float64) for k, g in each(params, x, y).items()}
+
+
+def _norms(per_example):
+    """Each example's global L2 norm over the leaves of ``per_example``."""
+    rows = next(iter(per_example.values())).shape[0]
+    return np.sqrt(sum(np.sum(g.reshape(rows, -1) ** 2, 1) for g in per_example.values()))
+
+
+def _clipped_sum(per_example, bound, scale, keep):
+    """``sum_b keep_b scale_b min(1, C / ||g_b||) g_b`` per leaf: ``bound`` None (no
+    clipping), one number (the global norm) or a dict of per-leaf bounds."""
+    if isinstance(bound, dict):
+        factors = {k: np.minimum(1, bound[k] / _norms({k: g})) for k, g in per_example.items()}
+    else:
+        rows = len(scale)
+        factor = np.ones(rows) if bound is None else np.minimum(1, bound / _norms(per_example))
+        factors = dict.fromkeys(per_example, factor)
+    return {
+        k: np.tensordot(
+            np.where(keep, scale * factors[k], 0),
+            np.where(keep.reshape(-1, *[1] * (g.ndim - 1)), g, 0),
+            1,
+        )
+        for k, g in per_example.items()
+    }
 
 
 def assert_equal_dtype(got, want):
