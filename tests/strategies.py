@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import primitives as prims
 
-from microbatching import AccumulationType
+from microbatching import AccumulationType, _primitives
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
 FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -255,5 +255,5 @@ def equations(jaxpr: Any, in_branch: bool = False) -> Any:
     each with whether it lies inside a ``cond``'s branch."""
     for eqn in jaxpr.eqns:
         yield eqn, in_branch
-        for inner in jaxprs_in_params(eqn.params):
-            yield from equations(inner, in_branch or eqn.primitive.name == "cond")
+        for inner in _primitives.sub_programs(eqn):  # a checkpoint's too, under JAX_REMAT3
+            yield from equations(inner, in_branch or eqn.primitive is prims.cond_p)

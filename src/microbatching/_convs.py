@@ -44,7 +44,7 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from . import _programs, _workarounds
+from . import _primitives, _programs, _workarounds
 
 _CONV = jax.lax.conv_general_dilated_p
 _TRANSPOSE = jax.lax.transpose_p
@@ -67,7 +67,9 @@ def _replacement(eqn: JaxprEqn) -> list[JaxprEqn] | None:
 
 
 def _needs_rewrite(eqn: JaxprEqn) -> bool:
-    if eqn.primitive is not _CONV or eqn.params.get("out_sharding") is not None:
+    if eqn.primitive is not _CONV or not _primitives.as_checked(eqn):
+        return False
+    if eqn.params.get("out_sharding") is not None:
         return False
     lhs, rhs, out = eqn.params["dimension_numbers"]
     spatial = len(lhs) - 2
@@ -134,7 +136,9 @@ def _transposed(atom: Any, permutation: tuple[int, ...], eqn: JaxprEqn) -> tuple
 
 def _takes_rule(eqn: JaxprEqn) -> bool:
     """An ungrouped convolution that Eigen runs (1 to 3 spatial dimensions)."""
-    if eqn.primitive is not _CONV or eqn.params.get("out_sharding") is not None:
+    if eqn.primitive is not _CONV or not _primitives.as_checked(eqn):
+        return False
+    if eqn.params.get("out_sharding") is not None:
         return False
     groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
     return groups == (1, 1) and 1 <= len(eqn.params["dimension_numbers"][0]) - 2 <= 3

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, new_jaxpr_eqn
 
-from . import _programs, _workarounds
+from . import _primitives, _programs, _workarounds
 
 _DOT = jax.lax.dot_general_p
 _TRANSPOSE = jax.lax.transpose_p
@@ -39,12 +39,14 @@ def swapped(program: ClosedJaxpr) -> ClosedJaxpr:
     product with its operands swapped, where ``_workarounds.DOT_ORDER`` applies."""
     if not _workarounds.DOT_ORDER.applies():
         return program
-    products = {e.outvars[0]: e for e in _programs.equations(program.jaxpr) if _swappable(e)}
+    products = {e.outvars[0]: e for e in _primitives.equations(program.jaxpr) if _swappable(e)}
     if not products:
         return program
 
     def replace(eqn: JaxprEqn) -> list[JaxprEqn] | None:
-        if eqn.primitive is not _TRANSPOSE or tuple(eqn.params["permutation"]) != _SWAP:
+        if eqn.primitive is not _TRANSPOSE or not _primitives.as_checked(eqn):
+            return None
+        if tuple(eqn.params["permutation"]) != _SWAP:
             return None
         product = products.get(eqn.invars[0])
         if product is None:
@@ -64,7 +66,9 @@ def swapped(program: ClosedJaxpr) -> ClosedJaxpr:
 def _swappable(eqn: Any) -> bool:
     """A product batched over its operands' first dimension alone, each operand with one
     dimension left after the batch and the contracted ones, no output sharding."""
-    if eqn.primitive is not _DOT or eqn.params.get("out_sharding") is not None:
+    if eqn.primitive is not _DOT or not _primitives.as_checked(eqn):
+        return False
+    if eqn.params.get("out_sharding") is not None:
         return False
     (lhs, rhs), batch = eqn.params["dimension_numbers"]
     if tuple(map(tuple, batch)) != ((0,), (0,)):

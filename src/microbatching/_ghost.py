@@ -46,55 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, primitives
 
-from . import _clipping, _layout, _programs, _sharding
+from . import _clipping, _layout, _primitives, _programs, _sharding
+from ._primitives import facts
 
-INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
-"""Calls whose body is read as part of the program, so that sites inside them are found."""
-
-SHAPE_ONLY = {"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
-"""Steps from a leaf to a site that move entries without changing them: the leaf's
-gradient has the norm of the site operand's."""
-
-NO_GRADIENT = {"stop_gradient"}
-
-ZERO_DERIVATIVE = NO_GRADIENT | {"sign", "floor", "ceil", "round", "is_finite"}
-"""Equations whose outputs carry no derivative back to their inputs: JAX's backward pass
-gives their inputs a symbolic zero, which adds nothing even where the data is not
-finite."""
-
-ADDITIVE = {"add", "sub", "add_any"}
-"""Sites whose product with a cotangent does not read their inputs (a bias added to an
-activation): their data inputs are not kept."""
-
-BILINEAR = {"dot_general", "conv_general_dilated", "mul"}
-"""Sites whose every output entry is a sum of products of one data entry and one entry
-of the free input: a change of ``d`` in one output cotangent moves the free input's
-gradient by at most ``d`` times the sum of the data's magnitudes."""
-
-SELECTING = ADDITIVE | {"gather", "dynamic_slice", "select_n", "concatenate", "pad"}
-"""Sites whose every output entry is one entry of the free input, or of the data, or
-their sum: a change of ``d`` in one output cotangent moves the free input's gradient by
-at most ``d``."""
-
-NON_EXPANDING = SHAPE_ONLY | {
-    "broadcast_in_dim", "convert_element_type", "slice", "concatenate", "pad", "rev",
-    "gather", "dynamic_slice", "neg", "add", "sub", "add_any", "select_n",
-}  # fmt: skip
-"""Steps of the parameters-only program whose transpose moves a cotangent's sum of
-magnitudes by at most a factor of 1 (each output entry a copy of one input entry, a
-sum of inputs, or 0), where no two of its inputs reach the same leaf (``w + w`` is
-``2 w``: ``_unbounded_sites``). After any other step (a multiple of a weight, a division, a
-norm), nothing bounds how much the pull-back amplifies a change of a site's
-cotangent."""
-
-USER_CODE_AT_SITE = _programs.USER_TRANSPOSES | {"custom_jvp_call"}
-"""Sites whose product with their cotangent may run code that the user supplies: the
-transposes of ``_programs.USER_TRANSPOSES``, and a ``custom_jvp`` call, whose rule may
-itself call a ``custom_vjp`` (and whose site the rules cannot see into). Their scaled
-contributions are summed from the per-example products, never by scaling the
-cotangent."""
+_PRIMS = primitives
+"""The primitives whose identity a rule reads (a ``dot_general`` site, an ``add``)."""
 
 NORM_CHUNK_BYTES = 4 * 2**20
 """Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
@@ -141,7 +99,7 @@ class Site:
     data: tuple[int, ...]  # input positions that depend on the example
     linear: bool
     same_as: int | None = None  # a later site whose output cotangent is this site's
-    bounded: bool = True  # underflow_risk's bound holds: BILINEAR or SELECTING, no gain
+    bounded: bool = True  # underflow_risk's bound holds: bilinear or selecting, no gain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,12 +150,13 @@ class Program:
         return isinstance(a, Const) or not self.data[a]
 
 
-def analyse(fun: Callable[..., Any], params: list[Any], example: list[Any]) -> Program | None:
+def analyse(fun: Callable[..., Any], params: list[Any], example: list[Any]) -> Program | str | None:
     """Traces ``fun(params, example) -> [value, *aux leaves]`` on one example.
 
     ``params`` are the parameter leaves and ``example`` one example's data leaves (arrays
     or ``ShapeDtypeStruct``), both flat lists. None where the loss does not depend on
-    the example (the ghost norms have nothing to read).
+    the example (the ghost norms have nothing to read); why not, in words, where the
+    program holds what the engine cannot read exactly (``unreadable``).
     """
     closed = jax.make_jaxpr(fun)(params, example)
     program = _inline(closed, len(params), len(example))
@@ -205,8 +164,47 @@ def analyse(fun: Callable[..., Any], params: list[Any], example: list[Any]) -> P
     if program.free(value):
         return None
     _find_sites(program)
+    why = unreadable(program)
+    if why is not None:
+        return why
     program.rules.extend(_rule(program, leaf) for leaf in range(len(params)))
     return program
+
+
+def unreadable(program: Program) -> str | None:
+    """Why the ghost engine does not read ``program``, in words; None where it does.
+
+    It reads only what the primitive table knows. A primitive the table does not hold,
+    or one that runs the user's derivative code other than a ``custom_jvp`` (a
+    ``custom_vjp``, a linear solve, a callback), anywhere in the program: the engine
+    would have to run that code where JAX does not (a forward-mode derivative through
+    the result pushes tangents through a ``custom_vjp``'s forward pass, which JAX
+    refuses). A ``custom_jvp`` where a parameter meets the data: its site's product is
+    the user's rule, which the engine does not re-derive. The per-example gradients are
+    exact for both."""
+    for e in program.eqns:
+        for known in (facts(e), *_inner_facts(e)):
+            if not known.derived and not known.rounding:
+                return (
+                    f"the loss holds {known.name}, which the primitive table does not "
+                    "know as derived by JAX (a custom_vjp, a linear solve, a callback, or "
+                    "a primitive it has not seen)"
+                )
+    for site in program.sites:
+        e = program.eqns[site.eqn]
+        for known in (facts(e), *_inner_facts(e)):
+            if known.user_code:
+                return (
+                    f"a parameter meets the data inside {known.name}, whose derivative "
+                    "rule is the user's code"
+                )
+    return None
+
+
+def _inner_facts(e: Eqn) -> Iterator[_primitives.Facts]:
+    for inner in _primitives.sub_programs(e):
+        for found in _primitives.equations(inner):
+            yield facts(found)
 
 
 def _inline(closed: ClosedJaxpr, n_params: int, n_data: int) -> Program:
@@ -237,7 +235,7 @@ def _inline(closed: ClosedJaxpr, n_params: int, n_data: int) -> Program:
                 continue
             keys = [a for a in ins if not isinstance(a, Const)]
             leaves = frozenset().union(*(program.leaves[a] for a in keys))
-            if e.primitive.name in NO_GRADIENT:
+            if facts(e).no_gradient:
                 leaves = frozenset()
             data = any(program.data[a] for a in keys)
             outs = tuple(new(v.aval, leaves, data) for v in e.outvars)
@@ -254,14 +252,7 @@ def _inline(closed: ClosedJaxpr, n_params: int, n_data: int) -> Program:
 
 
 def _inlined_body(e: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
-    if e.primitive.name not in INLINED:
-        return None
-    body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-    if isinstance(body, ClosedJaxpr):
-        return body.jaxpr, body.consts
-    if isinstance(body, Jaxpr) and not body.constvars:
-        return body, ()
-    return None
+    return _primitives.body(e)
 
 
 def _find_sites(program: Program) -> None:
@@ -271,23 +262,31 @@ def _find_sites(program: Program) -> None:
         free = tuple(p for p, a in keys if not program.data[a] and program.leaves[a])
         data = tuple(p for p, a in keys if program.data[a])
         if free and data and any(out in live for out in e.outs):
-            linear = e.primitive.name not in USER_CODE_AT_SITE and not any(
-                _programs.calls(inner, USER_CODE_AT_SITE) for inner in _bodies(e)
-            )
+            linear = _linear_site(e)
             program.sites.append(Site(index, free, data, linear))
     _share_cotangents(program)
     _nonlinear_parameters(program)
     _unbounded_sites(program)
 
 
+def _linear_site(e: Eqn) -> bool:
+    """Whether a site's product with its cotangent is linear in the cotangent and is
+    JAX's own: a primitive the table knows as derived, not user code (a ``custom_jvp``
+    whose rule the engine cannot see), and so is everything its sub-programs apply."""
+    known = facts(e)
+    if not known.derived or known.user_code or known.rounding:
+        return False
+    return all(_primitives.user_code(inner) is None for inner in _primitives.sub_programs(e))
+
+
 def _differentiated(program: Program) -> set[int]:
     """The values the differentiated output's cotangent reaches: an equation passes it
-    on from a floating output unless it is ``ZERO_DERIVATIVE``. A value it does not reach
+    on from a floating output unless it is a zero-derivative primitive. A value it does not reach
     (an aux output's head, a branch under ``stop_gradient``) gets a symbolic zero from
     JAX, not a site: a zero cotangent times an input that is not finite would be NaN."""
     live = {a for a in program.outs[:1] if not isinstance(a, Const)}
     for e in reversed(program.eqns):
-        if e.primitive.name in ZERO_DERIVATIVE:
+        if facts(e).zero_derivative:
             continue
         if any(o in live and _inexact(program, o) for o in e.outs):
             live.update(a for a in e.ins if not isinstance(a, Const))
@@ -299,9 +298,9 @@ def _inexact(program: Program, value: int) -> bool:
 
 
 def _unbounded_sites(program: Program) -> None:
-    """Marks as not ``bounded`` every site that is neither ``BILINEAR`` nor
-    ``SELECTING``, or whose free inputs come through a parameters-only step that is not
-    ``NON_EXPANDING`` (``w * 2**64``, ``w / ||w||``): there ``underflow_risk`` cannot
+    """Marks as not ``bounded`` every site that is neither bilinear nor
+    selecting, or whose free inputs come through a parameters-only step that is not
+    non-expanding (``w * 2**64``, ``w / ||w||``): there ``underflow_risk`` cannot
     bound what a cotangent lost to underflow moves the gradient by. Nor is a sum of two
     values that reach one leaf (``w + w``: its transpose gives the leaf the cotangent
     twice; forty of them hid a gain of ``2**40``, round 9 of the hostile tests)."""
@@ -310,14 +309,15 @@ def _unbounded_sites(program: Program) -> None:
         if not all(program.free(a) for a in e.ins):
             continue
         keys = [a for a in e.ins if not isinstance(a, Const)]
-        doubled = e.primitive.name in ADDITIVE and any(
+        known = facts(e)
+        doubled = known.additive and any(
             program.leaves[a] & program.leaves[b] for a, b in itertools.combinations(keys, 2)
         )
-        if e.primitive.name not in NON_EXPANDING or doubled or any(a in amplified for a in keys):
+        if not known.non_expanding or doubled or any(a in amplified for a in keys):
             amplified.update(e.outs)
     for k, site in enumerate(program.sites):
         e = program.eqns[site.eqn]
-        if e.primitive.name not in BILINEAR | SELECTING or any(
+        if not (facts(e).bilinear or facts(e).selecting) or any(
             e.ins[p] in amplified for p in site.free
         ):
             program.sites[k] = dataclasses.replace(site, bounded=False)
@@ -333,11 +333,7 @@ def _nonlinear_parameters(program: Program) -> None:
         if not all(program.free(a) for a in e.ins):
             continue
         keys = [a for a in e.ins if not isinstance(a, Const)]
-        rounds = USER_CODE_AT_SITE | _programs.ROUNDING
-        nonlinear = e.primitive.name in rounds or any(
-            _programs.calls(inner, rounds) for inner in _bodies(e)
-        )
-        if nonlinear or any(a in tainted for a in keys):
+        if not _linear_site(e) or any(a in tainted for a in keys):
             tainted.update(e.outs)
     for k, site in enumerate(program.sites):
         e = program.eqns[site.eqn]
@@ -364,19 +360,11 @@ def _share_cotangents(program: Program) -> None:
             continue
         j, position = there[0]
         later = program.eqns[j]
-        if later.primitive.name in ("add", "add_any") and position in program.sites[at[j]].data:
+        added = facts(later).additive and later.primitive is not _PRIMS.sub_p
+        if added and position in program.sites[at[j]].data:
             same = program.avals[later.outs[0]]
             if same.shape == program.avals[out].shape and same.dtype == program.avals[out].dtype:
                 program.sites[k] = dataclasses.replace(site, same_as=at[j])
-
-
-def _bodies(e: Eqn) -> Iterator[ClosedJaxpr]:
-    for value in e.params.values():
-        for inner in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(inner, ClosedJaxpr):
-                yield inner
-            elif isinstance(inner, Jaxpr):
-                yield ClosedJaxpr(inner, ())
 
 
 def _rule(program: Program, leaf: int) -> Rule:
@@ -455,7 +443,7 @@ def materialize_cost(program: Program) -> int:
     convolutions = sum(
         math.prod(_conv_dims(program, program.eqns[site.eqn]))
         for site in program.sites
-        if program.eqns[site.eqn].primitive.name == "conv_general_dilated" and site.free == (1,)
+        if program.eqns[site.eqn].primitive is _PRIMS.conv_general_dilated_p and site.free == (1,)
     )
     return MATERIALIZE_FLOPS_PER_ENTRY * size + convolutions
 
@@ -481,10 +469,10 @@ def _chain_end(program: Program, leaf: int) -> int | None:
         e = program.eqns[here[0][0]]
         if program.data[e.outs[0]]:
             return key
-        same = e.primitive.name == "convert_element_type" and (
+        same = e.primitive is _PRIMS.convert_element_type_p and (
             program.avals[e.outs[0]].dtype == program.avals[key].dtype
         )
-        if e.primitive.name not in SHAPE_ONLY and not same:
+        if not facts(e).shape_only and not same:
             return None
         key = e.outs[0]
 
@@ -494,15 +482,15 @@ def _gram_cost(program: Program, site: Site) -> tuple[str, str, int, int, int] |
     Gram rule, else None: ``entries`` counts the intermediates of its norm in ``form``,
     ``product entries`` those of the product form (a Gram form's fallback)."""
     e = program.eqns[site.eqn]
-    name = e.primitive.name
-    if name == "dot_general" and site.data == (1 - site.free[0],):
+    if e.primitive is _PRIMS.dot_general_p and site.data == (1 - site.free[0],):
         h, t, k, n = _dense_dims(program, e, site.free[0])
         return "dense", *_product_cost(h, t, k, n)
     ungrouped = e.params.get("feature_group_count") == e.params.get("batch_group_count") == 1
-    if name == "conv_general_dilated" and site.free == (1,) and site.data == (0,) and ungrouped:
+    convolution = e.primitive is _PRIMS.conv_general_dilated_p
+    if convolution and site.free == (1,) and site.data == (0,) and ungrouped:
         t, k, n = _conv_dims(program, e)
         return "conv", *_product_cost(1, t, k, n)
-    if name == "gather" and site.free == (0,) and _is_row_gather(program, e):
+    if e.primitive is _PRIMS.gather_p and site.free == (0,) and _is_row_gather(program, e):
         rows, width = program.avals[_key(program, site, 0)].shape
         t = math.prod(program.avals[e.outs[0]].shape) // max(width, 1)
         scatter = rows * width + t * width
@@ -653,7 +641,7 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
             ins = [_read(values, a) for a in e.ins]
             outs = e.bind(ins)
             k = sites.get(i)
-            if k is not None and e.primitive.name not in ADDITIVE:
+            if k is not None and not facts(e).additive:
                 inputs[k] = [ins[p] for p in program.sites[k].data]
             if k is not None and program.sites[k].same_as is None:
                 tapped = iter(taps[k])
@@ -696,10 +684,10 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
     rows = example[0].shape[0]
     for k, site in enumerate(program.sites):
         e = program.eqns[site.eqn]
-        if e.primitive.name in ADDITIVE:  # their products never read the data
+        if facts(e).additive:  # their products never read the data
             avals = [program.avals[e.ins[p]] for p in site.data]  # type: ignore[index]
             inputs[k] = [jnp.zeros((rows, *a.shape), a.dtype) for a in avals]
-        elif e.primitive.name in BILINEAR and not any(computed[k]):
+        elif facts(e).bilinear and not any(computed[k]):
             inputs[k] = _unreached_zeroed(inputs[k], cotangents[k])
     return Recorded(outs, inputs, cotangents)
 
@@ -727,7 +715,7 @@ def _tap(out: Any, tap: Any, computed: list[bool]) -> Any:
 
 
 def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
-    """A ``BILINEAR`` site's floating data inputs, with each entry that is not finite
+    """A bilinear site's floating data inputs, with each entry that is not finite
     read as 0 for an example whose cotangents there are all zero; for a site whose
     cotangents JAX's backward pass does not compute from the example (``record``).
     Where it does, a cotangent that comes out 0 (``tanh`` saturated by an infinite
@@ -1298,9 +1286,9 @@ def underflow_risk(
     Rounding in the normal range costs ``u`` relative per entry, as in the gradient
     itself. An entry ``c g`` below the dtype's smallest normal number ``tiny`` is
     rounded to a multiple of the smallest subnormal, or flushed to 0: off by at most
-    ``tiny``. At a ``BILINEAR`` site (a dot, a convolution, a product) an entry's
+    ``tiny``. At a bilinear site (a dot, a convolution, a product) an entry's
     error moves the parameters' gradient by at most ``tiny`` times the sum of the
-    magnitudes of the example's data at the site; at a ``SELECTING`` one (a lookup, an
+    magnitudes of the example's data at the site; at a selecting one (a lookup, an
     added bias) by at most ``tiny``. The bound is ``tiny`` times that sum (or 1),
     times the count of such entries, summed over the sites. At a site that is not
     ``bounded`` (another primitive, or a gain between the leaf and the site) any lost
@@ -1364,10 +1352,9 @@ def _counted_risk(
     c = jnp.abs(factor).astype(wide)
     for k, (scaled, other) in zip(sites, sides, strict=True):
         site = program.sites[k]
-        name = program.eqns[site.eqn].primitive.name
         if not site.bounded:
             data = jnp.full((rows,), jnp.inf, wide)
-        elif name in BILINEAR:
+        elif facts(program.eqns[site.eqn]).bilinear:
             data = jnp.zeros((rows,), wide)
             for a in other:
                 data = data + jnp.sum(jnp.abs(jnp.reshape(a, (rows, -1))).astype(wide), axis=1)
@@ -1445,12 +1432,12 @@ def _zero_rows(values: Sequence[Any], keep: jax.Array) -> list[Any]:
 
 def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -> list[Any]:
     """Site ``k``'s data ``values`` with each row not in ``keep`` replaced by a stand-in,
-    whose cotangent is then 0: 0 at a ``BILINEAR`` site, where the product is 0 at data
+    whose cotangent is then 0: 0 at a bilinear site, where the product is 0 at data
     0. Elsewhere data 0 may be where the site is singular (``tanh(p / x)``, ``log(x)`` in
     a scan body; round 10 of the hostile tests) and ``0 * inf`` would make the sum NaN:
     the stand-in is the first kept row, or where the chunk keeps none the row's own data
     where it is finite, else 0 (``scaled_products`` then drops the chunk's sum)."""
-    if program.eqns[program.sites[k].eqn].primitive.name in BILINEAR:
+    if facts(program.eqns[program.sites[k].eqn]).bilinear:
         return _zero_rows(values, keep)
     first = jnp.argmax(keep)
 
@@ -1466,7 +1453,7 @@ def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -
 
 def scales_data(program: Program, seen: Recorded, k: int) -> bool:
     """Whether ``scaled_products`` scales site ``k``'s data rows by the factors rather
-    than its output cotangents: at a ``BILINEAR`` site with one floating data input,
+    than its output cotangents: at a bilinear site with one floating data input,
     where the data has no more entries than the cotangents. The sum is the same (the
     site's output is linear in its data); the multiplication is over fewer entries,
     and on XLA:CPU a scaled cotangent that the weight gradient's product reads
@@ -1475,7 +1462,7 @@ def scales_data(program: Program, seen: Recorded, k: int) -> bool:
     cotangent scaled, 1.9x so)."""
     e = program.eqns[program.sites[k].eqn]
     (data, cotangents) = seen.inputs[k], seen.cotangents[k]
-    if e.primitive.name not in BILINEAR or len(data) != 1:
+    if not facts(e).bilinear or len(data) != 1:
         return False
     if not jnp.issubdtype(jnp.result_type(data[0]), jnp.inexact):
         return False

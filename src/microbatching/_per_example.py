@@ -29,6 +29,7 @@ from . import (
     _clipping,
     _ghost,
     _layout,
+    _primitives,
     _programs,
     _sharding,
     _signature,
@@ -582,6 +583,8 @@ def _analyse(split: _Split, requested: Any) -> _ghost.Program | str:
     if not split.data or not split.data[0].shape[0]:
         return "the batch is empty"
     program = _ghost.analyse(split.fun, split.params, split.one_example())
+    if isinstance(program, str):
+        return program
     if program is None:
         return "the loss does not depend on the batch"
     for dtype in program.dtypes:
@@ -896,14 +899,19 @@ def summed_differs(
     """Why the gradient of the (weighted) summed loss may differ from the (weighted) sum
     of the per-example gradients, as accumulated; None where it equals it.
 
-    Two conditions, checked on the JVP of this call's loss, which holds every value that
-    the backward pass sums over examples or scales by a cotangent:
+    Two conditions, checked on this call's loss and its JVP, which holds every value
+    that the backward pass sums over examples or scales by a cotangent:
     - the sums run in the accumulation dtype or wider: no floating value on the way,
       parameters, loss and intermediates, is narrower than the dtype the accumulation
       would give it (float16 would overflow, a clip factor or weight would be rounded);
     - when the examples are scaled (clip factors, weights, a padding mask), the backward
-      pass is linear in its cotangent: no ``_programs.NOT_LINEAR_IN_COTANGENT``. With all
+      pass is linear in its cotangent: every primitive, at any depth, is one the
+      primitive table knows JAX to derive (``_primitives.not_linear``). With all
       cotangents 1 each example's backward pass is its own gradient's.
+
+    The loss is read before its JVP is traced: a JVP of a ``custom_vjp`` that no
+    reverse pass encloses is an error in JAX (``JAX_CUSTOM_VJP3``), and a loss holding
+    user derivative code of that kind is read from its values alone.
     """
     nums = sums.example.nums()
     if not all(
@@ -912,27 +920,34 @@ def summed_differs(
     ):
         return "a differentiated leaf is not a float array"  # jax.grad says so in the loop
 
-    def tangents(*primals: Any) -> Any:
-        def values(*diff: Any) -> Any:
-            full = list(args)
-            for i, d in zip(nums, diff, strict=True):
-                full[i] = d
-            return sums.losses(*full, **kwargs)[0]
+    def values(*diff: Any) -> Any:
+        full = list(args)
+        for i, d in zip(nums, diff, strict=True):
+            full[i] = d
+        return sums.losses(*full, **kwargs)[0]
 
-        return jax.jvp(values, primals, primals)
-
-    program = jax.make_jaxpr(tangents)(*[args[i] for i in nums])
+    primals = [args[i] for i in nums]
+    program = jax.make_jaxpr(values)(*primals)
+    found = _primitives.not_linear(program.jaxpr)
+    if found is None or found.rounding:
+        program = jax.make_jaxpr(lambda *p: jax.jvp(values, p, p))(*primals)
+        found = _primitives.not_linear(program.jaxpr)
     for dtype in _programs.float_dtypes(program):
         wide = _accumulators.accumulation_dtype(dtype, sums.requested)
         if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
             return NARROWER.format(dtype=jnp.dtype(dtype).name, wide=jnp.dtype(wide).name)
-    if scaled and _programs.calls(program, _programs.NOT_LINEAR_IN_COTANGENT):
-        return (
-            "the loss holds a custom VJP or JVP rule, a custom linear solve or "
-            "lax.reduce_precision, which the backward pass of the weighted loss cannot be "
-            "proven linear through"
-        )
+    if scaled and found is not None:
+        return NOT_LINEAR.format(name=found.name)
     return None
+
+
+NOT_LINEAR = (
+    "the loss holds {name}, which the backward pass of the weighted loss cannot be proven "
+    "linear through (a custom VJP rule, a custom linear solve, lax.reduce_precision, or a "
+    "primitive the engine does not know)"
+)
+"""Why the gradient of the weighted loss may not be the weighted sum of the per-example
+gradients (``summed_differs``)."""
 
 
 NARROWER = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -13,37 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
+from . import _primitives
+
 UNUSED_WHEN_NOT_DIFFERENTIATED = {
     "custom_jvp_call": {"jvp_jaxpr_fun", "jvp_jaxpr_thunk"},
     "custom_vjp_call": {"fwd_jaxpr_thunk", "bwd", "out_trees"},
 }
 """Parameters that only a derivative of the program reads. ``fingerprint`` leaves them
 out: the eager cache runs its programs on concrete values, which nothing differentiates."""
-
-USER_TRANSPOSES = {
-    "custom_lin",
-    "custom_vjp_call",
-    "custom_transpose_call",
-    "custom_linear_solve",
-}
-"""What may make a backward pass non-linear in its cotangent: primitives whose transpose
-runs code that the user supplies.
-
-Every other primitive's transpose is linear by construction (JAX transposes only linear
-maps), so without these a VJP with cotangent ``c_b`` per example is ``c_b`` times the VJP
-with cotangent 1. ``custom_lin`` is how a ``custom_vjp`` appears in a JVP; a
-``custom_vjp`` called inside another's JVP rule stays ``custom_vjp_call``; the transpose
-of ``custom_linear_solve`` is a solve, which an iterative solver with a tolerance does
-not do linearly. (A ``custom_jvp_call`` is not here: its derivative is transposed by
-JAX, linearly. ``_ghost`` adds it for a reason of its own.)"""
-
-ROUNDING = {"reduce_precision"}
-"""A primitive that JAX transposes as linear, by applying itself to the cotangent, but
-that rounds: ``round(c g)`` is not ``c round(g)``, so a backward pass through it is not
-linear in its cotangent either."""
-
-NOT_LINEAR_IN_COTANGENT = USER_TRANSPOSES | ROUNDING
-"""What may make a backward pass non-linear in its cotangent."""
 
 _PLAIN = (bool, int, str, bytes, type(None), np.dtype, enum.Enum)
 
@@ -130,36 +107,12 @@ def _value(value: Any, keep: list[Any]) -> Hashable:
     return "identity", len(keep) - 1
 
 
-def calls(program: ClosedJaxpr, names: set[str]) -> bool:
-    """Whether ``program`` applies a primitive named in ``names``, at any depth."""
-    return any(e.primitive.name in names for e in equations(program.jaxpr))
-
-
 def float_dtypes(program: ClosedJaxpr) -> set[Any]:
     """The floating dtypes of the values of ``program``, its inputs included, at any depth."""
     found = {v.aval.dtype for v in program.jaxpr.invars}
-    for e in equations(program.jaxpr):
+    for e in _primitives.equations(program.jaxpr):
         found |= {getattr(v.aval, "dtype", None) for v in e.outvars}
     return {d for d in found if d is not None and jnp.issubdtype(d, jnp.floating)}
-
-
-def equations(jaxpr: Jaxpr) -> Iterator[Any]:
-    """Every equation of ``jaxpr``, each followed by those of the programs it calls."""
-    for e in jaxpr.eqns:
-        yield e
-        for value in e.params.values():
-            for inner in _jaxprs(value):
-                yield from equations(inner)
-
-
-def _jaxprs(value: Any) -> Iterator[Jaxpr]:
-    if isinstance(value, ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, Jaxpr):
-        yield value
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _jaxprs(v)
 
 
 Replacement = Callable[[JaxprEqn], "list[JaxprEqn] | None"]

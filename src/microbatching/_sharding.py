@@ -214,11 +214,22 @@ def _mine_mapped(axis_size: int, in_batched: Any, pred: Any) -> tuple[Any, bool]
     return pred, True
 
 
-# Each computes ``_mine`` where it is used, rematerialised: a derivative then recomputes
-# it from ``pred`` rather than keeping it (a loop's derivative would keep one per
-# iteration, and its selects would stay in the program where they select nothing).
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(1,))
-def _guard(pred: Any, side: bool, values: Any) -> Any:
+def _recomputed(fun: Callable[..., Any], static_argnums: tuple[int, ...] = ()) -> Any:
+    """``fun`` rematerialised: a derivative recomputes ``_mine`` from ``pred`` rather
+    than keeping it (a loop's derivative would keep one per iteration, and its selects
+    would stay in the program where they select nothing). Not under ``JAX_REMAT3``
+    (jax 0.10.2), whose checkpoint JAX cannot transpose once its JVP is taken (as
+    ``_dropped``'s derivative does): there ``fun`` runs as it is, the same values."""
+    checkpointed = jax.checkpoint(fun, prevent_cse=False, static_argnums=static_argnums)
+
+    @functools.wraps(fun)
+    def run(*args: Any) -> Any:
+        return (fun if getattr(jax.config, "jax_remat3", False) else checkpointed)(*args)
+
+    return run
+
+
+def _guard_values(pred: Any, side: bool, values: Any) -> Any:
     """``values`` for each mapped value that takes ``side`` (its ``pred`` is ``side``),
     else zeros (floating leaves: the others carry no derivative)."""
     mine = _mine(pred)
@@ -232,8 +243,11 @@ def _guard(pred: Any, side: bool, values: Any) -> Any:
     return jax.tree.map(one, values)
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def _pick(pred: Any, taken: Any, other: Any) -> Any:
+def _pick_values(pred: Any, taken: Any, other: Any) -> Any:
     """``taken`` for each mapped value for which ``pred`` holds, else ``other``."""
     mine = _mine(pred)
     return jax.tree.map(lambda a, b: jax.lax.select(mine, a, b), taken, other)
+
+
+_guard = _recomputed(_guard_values, static_argnums=(1,))
+_pick = _recomputed(_pick_values)

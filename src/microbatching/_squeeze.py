@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
-from . import _programs, _workarounds
+from . import _primitives, _programs, _workarounds
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
 _RESHAPE = jax.lax.reshape_p
@@ -45,17 +45,16 @@ def _replacement(eqn: JaxprEqn) -> list[JaxprEqn] | None:
 def _needs_rewrite(eqn: JaxprEqn) -> bool:
     """A reduction of a plain array (no sharding, not varying over manual axes) with a
     dimension of size 1 beside at least one other."""
-    if eqn.primitive not in _REDUCTIONS or eqn.params.get("out_sharding") is not None:
+    if eqn.primitive not in _REDUCTIONS or not _primitives.as_checked(eqn):
+        return False
+    if eqn.params.get("out_sharding") is not None:
         return False
     aval = eqn.invars[0].aval
     shape = getattr(aval, "shape", ())
     if len(shape) < 2 or 1 not in shape or all(d == 1 for d in shape):
         return False
-    if getattr(aval, "vma", None) or any(
-        s is not None for s in getattr(getattr(aval, "sharding", None), "spec", ())
-    ):
-        return False
-    return set(eqn.params) <= {"axes", "out_sharding"}
+    spec = getattr(getattr(aval, "sharding", None), "spec", ())
+    return not getattr(aval, "vma", None) and all(s is None for s in spec)
 
 
 def _without_units(eqn: JaxprEqn) -> list[JaxprEqn] | None:

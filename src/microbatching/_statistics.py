@@ -46,7 +46,8 @@ from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import Literal as JaxprLiteral
 
-from . import _accumulators, _ghost, _layout, _sharding
+from . import _accumulators, _ghost, _layout, _primitives, _sharding
+from ._primitives import facts
 from ._signature import leaf_paths
 from ._typing import PyTree
 
@@ -142,25 +143,6 @@ class _Value:
 _OPAQUE = _Value(frozenset({-1}))
 """A value the reading cannot follow (it counts as reading an unknown leaf)."""
 
-_INLINED = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"}
-
-_ELEMENTWISE = {
-    "neg", "abs", "sign", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "log", "log1p", "expm1",
-    "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "floor", "ceil", "round", "is_finite", "not", "erf", "erfc",
-    "erf_inv", "lgamma", "digamma", "integer_pow", "square", "convert_element_type", "copy",
-    "copy_p", "add", "sub", "add_any", "mul", "div", "max", "min", "pow", "atan2", "rem",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "select_n", "clamp",
-    "reduce_precision", "nextafter",
-}  # fmt: skip
-"""Primitives whose output entry reads only the same entry of each operand."""
-
-_SHAPE_LINEAR = {
-    "transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "rev",
-    "reduce_sum", "cumsum", "copy", "copy_p", "neg",
-}  # fmt: skip
-"""Primitives linear in their one array operand."""
-
 
 def _literal(x: Any) -> float | None:
     """The value of a real scalar known when the program is read; else None (an array,
@@ -177,16 +159,19 @@ def _literal(x: Any) -> float | None:
 
 def _step(e: Any, ins: list[_Value], shapes: dict[int, tuple[int, ...]], out: Any) -> _Value:
     """The value of equation ``e``'s one output, from its operands."""
-    name = e.primitive.name
+    known = facts(e)
+    name = e.primitive.name  # of a primitive the table knows: its rules below, by name
     live = [v for v in ins if not v.constant]
+    if live and (not known.derived or known.user_code):  # read as reading an unknown leaf
+        return _OPAQUE
     if not live:  # a constant; a scalar's value is followed through casts
         kept = name in ("convert_element_type", "copy", "copy_p") and ins[0].scalar is not None
         return _Value(scalar=ins[0].scalar if kept else None)
     deps = frozenset().union(*(v.deps for v in live))
-    linear = _linear(name, e, ins) and all(v.linear for v in live)
+    linear = _linear(name, known, e, ins) and all(v.linear for v in live)
     elementwise = False
     monomial, positive, coefficient = None, False, None
-    if name in _ELEMENTWISE and len(deps) == 1 and -1 not in deps:
+    if known.elementwise and len(deps) == 1 and -1 not in deps:
         (leaf,) = deps
         shape = tuple(out.aval.shape)
         same = all(v.elementwise for v in live) and shape == shapes[leaf]
@@ -202,14 +187,14 @@ def _step(e: Any, ins: list[_Value], shapes: dict[int, tuple[int, ...]], out: An
     return _Value(deps, linear, elementwise, monomial, positive, coefficient)
 
 
-def _linear(name: str, e: Any, ins: list[_Value]) -> bool:
+def _linear(name: str, known: _primitives.Facts, e: Any, ins: list[_Value]) -> bool:
     """Whether ``e`` is linear in its operands that read the gradient."""
     consts = [v.constant for v in ins]
-    if name in ("add", "sub", "add_any"):  # adding a literal 0 (``sum`` starts there)
+    if known.additive:  # adding a literal 0 (``sum`` starts there)
         return all(v.scalar == 0 for v in ins if v.constant)
     if name in ("concatenate", "stack"):
         return not any(consts)
-    if name in _SHAPE_LINEAR:
+    if known.linear_operand:
         return len(ins) == 1
     if name == "convert_element_type":
         return jnp.issubdtype(e.params["new_dtype"], jnp.inexact)
@@ -293,10 +278,9 @@ def _walk(
 
         for e in jaxpr.eqns:
             ins = [read(v) for v in e.invars]
-            body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-            if e.primitive.name in _INLINED and isinstance(body, ClosedJaxpr | Jaxpr):
-                inner = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
-                env.update(zip(e.outvars, walk(inner.jaxpr, inner.consts, ins), strict=True))
+            body = _primitives.body(e)
+            if body is not None:
+                env.update(zip(e.outvars, walk(*body, ins), strict=True))
                 continue
             if len(e.outvars) != 1:
                 outs = [_Value() if all(v.constant for v in ins) else _OPAQUE] * len(e.outvars)
