@@ -40,6 +40,15 @@ FAST_CODEGEN := $(ONE_THREAD) XLA_FLAGS="$(QUICK_FLAGS) --xla_cpu_use_fusion_emi
 COMPILED_TESTS = $(shell grep -l 'mark\.compiled' tests/test_*.py)
 X64_TESTS = $(shell grep -l 'mark\.x64' tests/test_*.py)
 
+# The engine's tests (ghost norms, statistics, weights, derivatives through the result,
+# the primitive table), run again under the flags JAX marks as its next defaults:
+# JAX_CUSTOM_VJP3 and JAX_REMAT3 turn a custom_vjp and a checkpoint into primitives of a
+# new kind (docs/internals.md, "The primitive table"). Not JAX_SCAN3: on jax 0.10.2,
+# jax.grad of any lax.scan fails in JAX itself under it.
+ENGINE_TESTS = tests/test_primitive_table.py tests/test_ghost.py tests/test_statistics.py \
+	tests/test_weights.py tests/test_gradients.py tests/test_exact.py tests/test_norm_numerics.py
+FUTURE_FLAGS := JAX_CUSTOM_VJP3=1 JAX_REMAT3=1
+
 .PHONY: test test-x64 demo bench lint format clean docs serve dist
 
 $(STAMP): pyproject.toml
@@ -56,31 +65,36 @@ lint: $(STAMP)
 	@echo "== pyright: types of src, tests, benchmarks and examples (about 20 s)"
 	$(BIN)/pyright
 
-# Lint, docs, the suite (the `compiled` tests apart), the `compiled` tests, the x64 tests;
-# README gives the times. The four run side by side, so that both cores stay busy to the
-# end (each run alone leaves one core idle while its last long item finishes, and pays its
-# own start-up): lint and the docs build (pyright and mkdocs keep one core busy for most of
-# a minute), the `compiled` tests and the x64 tests (one process each, held beside the
-# main run's workers), their output held until the main run ends. Each run compiles into
-# its own cache folder: the runs' XLA flags differ, so they share no program.
+# Lint, docs, the suite (the `compiled` tests apart), the `compiled` tests, the x64 tests,
+# the engine's tests under JAX's next defaults; README gives the times. The five run side
+# by side, so that both cores stay busy to the end (each run alone leaves one core idle
+# while its last long item finishes, and pays its own start-up): lint and the docs build
+# (pyright and mkdocs keep one core busy for most of a minute), the `compiled` tests, the
+# x64 tests and the future-flags run (one process each, held beside the main run's
+# workers), their output held until the main run ends. Each run compiles into its own
+# cache folder: the runs' XLA flags differ, so they share no program.
 test: $(STAMP)
-	@echo "== lint and docs, the tests of compiled facts and the x64 tests beside the main pytest run; their output follows the main run's"
+	@echo "== lint and docs, the tests of compiled facts, the x64 tests and the engine's tests under JAX's next defaults beside the main pytest run; their output follows the main run's"
 	@echo "== pytest: tests, doctests of src/, README.md and docs/ on $(WORKERS) workers ([done/total] ends each line)"
-	@cache=$$(mktemp -d) && checks=$$(mktemp) && compiled=$$(mktemp) && x64=$$(mktemp) && \
-	  trap 'rm -rf "$$cache" "$$checks" "$$compiled" "$$x64"' EXIT && \
-	  mkdir "$$cache/main" "$$cache/compiled" "$$cache/x64" && \
+	@cache=$$(mktemp -d) && checks=$$(mktemp) && compiled=$$(mktemp) && x64=$$(mktemp) && future=$$(mktemp) && \
+	  trap 'rm -rf "$$cache" "$$checks" "$$compiled" "$$x64" "$$future"' EXIT && \
+	  mkdir "$$cache/main" "$$cache/compiled" "$$cache/x64" "$$cache/future" && \
 	  { $(MAKE) --no-print-directory lint docs > "$$checks" 2>&1 & checks_pid=$$!; } && \
 	  { ( set -x && $(QUICK_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/compiled \
 	      $(BIN)/pytest --durations=15 --durations-min=2 -m compiled $(COMPILED_TESTS) ) > "$$compiled" 2>&1 & compiled_pid=$$!; } && \
 	  { ( set -x && JAX_ENABLE_X64=1 $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/x64 \
 	      $(BIN)/pytest -v --durations=15 --durations-min=2 -m "x64 and not compiled" $(X64_TESTS) ) > "$$x64" 2>&1 & x64_pid=$$!; } && \
+	  { ( set -x && $(FUTURE_FLAGS) $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/future \
+	      $(BIN)/pytest -q --durations=5 --durations-min=2 -m "not compiled" $(ENGINE_TESTS) ) > "$$future" 2>&1 & future_pid=$$!; } && \
 	  { ( set -x && $(FAST_CODEGEN) MICROBATCHING_TEST_CACHE=$$cache/main $(PYTEST) -m "not compiled" ); main=$$?; \
 	    wait $$checks_pid; lint=$$?; wait $$compiled_pid; comp=$$?; wait $$x64_pid; wide=$$?; \
+	    wait $$future_pid; next=$$?; \
 	    echo "== make lint docs"; cat "$$checks"; \
 	    echo "== pytest: the tests of compiled facts (marker compiled), at XLA's default emitters"; cat "$$compiled"; \
 	    echo "== pytest: the tests marked x64 again under JAX_ENABLE_X64=1, a line per test"; cat "$$x64"; \
-	    echo "== exit status: main run $$main, lint and docs $$lint, compiled facts $$comp, x64 $$wide"; } && \
-	  [ $$main -eq 0 ] && [ $$lint -eq 0 ] && [ $$comp -eq 0 ] && [ $$wide -eq 0 ]
+	    echo "== pytest: the engine's tests again under $(FUTURE_FLAGS), JAX's next defaults"; cat "$$future"; \
+	    echo "== exit status: main run $$main, lint and docs $$lint, compiled facts $$comp, x64 $$wide, future flags $$next"; } && \
+	  [ $$main -eq 0 ] && [ $$lint -eq 0 ] && [ $$comp -eq 0 ] && [ $$wide -eq 0 ] && [ $$next -eq 0 ]
 
 # The dtype-sensitive tests (marker x64) again with 64-bit JAX, compiled as the main run
 # is. None is also marked `compiled` (tests/conftest.py refuses one that is).

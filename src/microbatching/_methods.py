@@ -448,12 +448,12 @@ def plan(
         return found
     scaled = request.clipping is not None or weighted
 
-    differs: dict[bool, str | None] = {}
+    differs: list[_per_example.Differs] = []
 
-    def why_not(scaled: bool = scaled) -> str | None:  # each traces the loss's JVP once
-        if scaled not in differs:
-            differs[scaled] = _per_example.summed_differs(sums, scaled, args, kwargs)
-        return differs[scaled]
+    def why_not(scaled: bool = scaled) -> str | None:  # the loss traced once, at most
+        if not differs:
+            differs.append(_per_example.summed_differs(sums, args, kwargs))
+        return differs[0].why(scaled)
 
     def exact(scaled: bool = scaled) -> bool:
         return why_not(scaled) is None

@@ -890,35 +890,51 @@ def summed_is_exact(
 ) -> bool:
     """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
     per-example gradients, as accumulated (``summed_differs`` says why not)."""
-    return summed_differs(sums, scaled, args, kwargs) is None
+    return summed_differs(sums, args, kwargs).why(scaled) is None
 
 
-def summed_differs(
-    sums: Sums, scaled: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Differs:
+    """Why the gradient of the summed loss may differ from the sum of the per-example
+    gradients, as accumulated: each reason in words, or None.
+
+    Attributes:
+      narrow: A value is narrower than its accumulation dtype (any call).
+      not_linear: The backward pass may not be linear in its cotangent (a call whose
+        examples are scaled: clip factors, weights, a padding mask).
+    """
+
+    narrow: str | None
+    not_linear: str | None
+
+    def why(self, scaled: bool) -> str | None:
+        """The reason for a call whose examples are ``scaled`` or not; None if exact."""
+        return self.narrow or (self.not_linear if scaled else None)
+
+
+def summed_differs(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Differs:
     """Why the gradient of the (weighted) summed loss may differ from the (weighted) sum
-    of the per-example gradients, as accumulated; None where it equals it.
+    of the per-example gradients, as accumulated, from one trace of this call's loss.
 
-    Two conditions, checked on this call's loss and its JVP, which holds every value
-    that the backward pass sums over examples or scales by a cotangent:
-    - the sums run in the accumulation dtype or wider: no floating value on the way,
-      parameters, loss and intermediates, is narrower than the dtype the accumulation
-      would give it (float16 would overflow, a clip factor or weight would be rounded);
-    - when the examples are scaled (clip factors, weights, a padding mask), the backward
-      pass is linear in its cotangent: every primitive, at any depth, is one the
-      primitive table knows JAX to derive (``_primitives.not_linear``). With all
-      cotangents 1 each example's backward pass is its own gradient's.
+    - The sums run in the accumulation dtype or wider: no floating value on the way,
+      parameters, loss, intermediates and what the rules of its ``custom_jvp`` functions
+      compute, is narrower than the dtype the accumulation would give it (float16 would
+      overflow, a clip factor or weight would be rounded).
+    - When the examples are scaled, the backward pass is linear in its cotangent: every
+      primitive, at any depth and in every ``custom_jvp`` rule, is one the primitive
+      table knows JAX to derive (``_primitives.not_linear``). With all cotangents 1 each
+      example's backward pass is its own gradient's.
 
-    The loss is read before its JVP is traced: a JVP of a ``custom_vjp`` that no
-    reverse pass encloses is an error in JAX (``JAX_CUSTOM_VJP3``), and a loss holding
-    user derivative code of that kind is read from its values alone.
+    The loss is traced once, never differentiated here: a JVP of a ``custom_vjp`` that no
+    reverse pass encloses is JAX's error under ``JAX_CUSTOM_VJP3``.
     """
     nums = sums.example.nums()
     if not all(
         jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
         for leaf in jax.tree.leaves([args[i] for i in nums])
     ):
-        return "a differentiated leaf is not a float array"  # jax.grad says so in the loop
+        narrow = "a differentiated leaf is not a float array"  # jax.grad says so in the loop
+        return Differs(narrow, narrow)
 
     def values(*diff: Any) -> Any:
         full = list(args)
@@ -926,19 +942,15 @@ def summed_differs(
             full[i] = d
         return sums.losses(*full, **kwargs)[0]
 
-    primals = [args[i] for i in nums]
-    program = jax.make_jaxpr(values)(*primals)
-    found = _primitives.not_linear(program.jaxpr)
-    if found is None or found.rounding:
-        program = jax.make_jaxpr(lambda *p: jax.jvp(values, p, p))(*primals)
-        found = _primitives.not_linear(program.jaxpr)
+    program = jax.make_jaxpr(values)(*[args[i] for i in nums])
+    narrow = None
     for dtype in _programs.float_dtypes(program):
         wide = _accumulators.accumulation_dtype(dtype, sums.requested)
         if jnp.finfo(wide).bits > jnp.finfo(dtype).bits:
-            return NARROWER.format(dtype=jnp.dtype(dtype).name, wide=jnp.dtype(wide).name)
-    if scaled and found is not None:
-        return NOT_LINEAR.format(name=found.name)
-    return None
+            narrow = NARROWER.format(dtype=jnp.dtype(dtype).name, wide=jnp.dtype(wide).name)
+            break
+    found = _primitives.not_linear(program.jaxpr)
+    return Differs(narrow, None if found is None else NOT_LINEAR.format(name=found.name))
 
 
 NOT_LINEAR = (

@@ -58,6 +58,8 @@ class Facts:
       elementwise: Each output entry reads only the same entry of each operand.
       linear_operand: Linear in its one array operand (for reading a ``transform_fn``).
       body: For a call whose program is read as part of the caller's: where it is.
+      rule: For a ``custom_jvp``: the program of its JVP rule, which JAX differentiates
+        in its place (None where it cannot be read: then it counts as not linear).
     """
 
     name: str = "an unknown primitive"
@@ -74,6 +76,7 @@ class Facts:
     elementwise: bool = False
     linear_operand: bool = False
     body: Body | None = None
+    rule: Body | None = None
 
 
 OPAQUE = Facts()
@@ -93,6 +96,17 @@ def _split(body: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     if isinstance(body, Jaxpr) and not body.constvars:
         return body, ()
     return None
+
+
+def _jvp_rule(eqn: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
+    """The program of a ``custom_jvp``'s rule, with every tangent given (as JAX traces
+    it under differentiation: the same memoised trace)."""
+    rule = eqn.params.get("jvp_jaxpr_fun")
+    tangents = len(eqn.invars) - eqn.params.get("num_consts", 0)
+    if not hasattr(rule, "call_wrapped"):
+        return None
+    jaxpr, consts, _ = rule.call_wrapped(*([False] * tangents))
+    return (jaxpr, tuple(consts)) if isinstance(jaxpr, Jaxpr) else _split(jaxpr)
 
 
 def _hi_body(eqn: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
@@ -202,6 +216,7 @@ def _build() -> dict[Any, Facts]:
         primitive = _primitive(_where(name))
         if primitive is not None:
             found[primitive]["body"] = _params_body
+    found[_primitive(_where("custom_jvp_call"))]["rule"] = _jvp_rule
     rounding = found.get(_primitive(_where("reduce_precision")), {})
     rounding["derived"] = False  # a rounding transpose is JAX's, but not linear
     return {p: Facts(**entry) for p, entry in found.items()}
@@ -263,24 +278,34 @@ def _jaxprs(value: Any) -> Iterator[Jaxpr]:
             yield from _jaxprs(v)
 
 
-def equations(jaxpr: Jaxpr) -> Iterator[Any]:
-    """Every equation of ``jaxpr``, each followed by those of the programs it holds."""
+def equations(jaxpr: Jaxpr, rules: bool = True) -> Iterator[Any]:
+    """Every equation of ``jaxpr``, each followed by those of the programs it holds and,
+    where ``rules``, of a ``custom_jvp``'s rule (what a derivative runs in its place).
+    Inside a rule, the ``custom_jvp`` functions it calls are read by their bodies alone:
+    JAX transposes what a rule computes, and a ``custom_jvp`` by its body (a rule that
+    calls its own function, as ``relu``'s does, would otherwise be read without end)."""
     for e in jaxpr.eqns:
         yield e
         for inner in sub_programs(e):
-            yield from equations(inner)
+            yield from equations(inner, rules)
+        rule = facts(e).rule if rules else None
+        if rule is not None and (program := rule(e)) is not None:
+            yield from equations(program[0], rules=False)
 
 
 def not_linear(jaxpr: Jaxpr) -> Facts | None:
     """The facts of the first primitive, at any depth, through which a backward pass
     may not be linear in its cotangent: one the table does not hold, one that runs the
     user's derivative code (``custom_vjp``) or one that rounds. A ``custom_jvp`` counts
-    as linear: JAX transposes the tangent its rule gives, which is linear (what its rule
-    calls shows in a traced JVP, which this also reads). None where all are linear."""
+    as linear where its rule does: JAX transposes the tangent map the rule gives, and
+    the rule's own program is read (``equations``); one whose rule cannot be read does
+    not. None where all are linear."""
     for e in equations(jaxpr):
         known = facts(e)
         if not known.derived or known.rounding:
             return known
+        if known.rule is not None and known.rule(e) is None:
+            return dataclasses.replace(known, name=f"{known.name} (its rule unread)")
     return None
 
 
