@@ -1912,7 +1912,7 @@ def test_the_clip_factors_scale_the_data_rows_only_where_they_have_no_more_entri
     for k, scaled in ((3, True), (4, False)):
         w, x = normal(rng, k, 3), normal(rng, 4, 2, k)
         program = _ghost.analyse(lambda ps, ex: [loss(ps[0], *ex)], [w], [x[0]])
-        assert program is not None
+        assert isinstance(program, _ghost.Program), program
         seen = _ghost.record(program, [w], [x])
         sites = [j for j, site in enumerate(program.sites) if site.linear]
         assert [_ghost.scales_data(program, seen, j) for j in sites] == [scaled]

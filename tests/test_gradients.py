@@ -5,6 +5,7 @@ microbatch of memory), the ``micro_grad`` fast path and ``l2_clip_norm``, accumu
 precision, and one all-reduce per step on Auto meshes.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -19,16 +20,23 @@ from jax.sharding import PartitionSpec as P
 from microbatching import (
     AccumulationType,
     Accumulator,
+    _tuning,
     l2_norm,
     micro_grad,
     micro_vmap,
     microbatch,
 )
-from microbatching import _per_example as per_example_room
 from microbatching._batch_statistics import PROBE_ROWS
 
 from .strategies import assert_close, clipper, microbatch_sizes, random_array
 from .test_sharding import all_reduces_in_loops, collectives
+
+
+def _tune(patch: pytest.MonkeyPatch, **changes: int) -> None:
+    """The backend's tuning with ``changes``, for the test (``_tuning.knobs``)."""
+    tuned = dataclasses.replace(_tuning.knobs(), **changes)
+    patch.setattr(_tuning, "knobs", lambda: tuned)
+
 
 SUM, MEAN, CONCAT = AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.CONCAT
 RUNNING_MEAN = AccumulationType.RUNNING_MEAN
@@ -326,7 +334,7 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     x, y = jnp.ones((1024, 64)), jnp.ones((1024, 16))
     summed = lambda p, x, y: _mlp_loss(p, x, y) * x.shape[0]  # noqa: E731
     gradient_bytes = 4 * (64 * 256 + 256 * 16)
-    monkeypatch.setattr(per_example_room, "STATISTICS_CHUNK_BYTES", 16 * gradient_bytes)
+    _tune(monkeypatch, statistics_chunk_bytes=16 * gradient_bytes)
     common = {"batch_argnums": (1, 2), "microbatch_size": 256}
     base = _temp(microbatch(jax.grad(summed), (1, 2), 256, SUM), params, x, y)
     fast = _temp(micro_grad(_mlp_loss, **common), params, x, y)
@@ -367,13 +375,11 @@ _CHUNK_GRADIENT_BYTES = 4 * (5 * 6 + 6 + 6 * 2)
 def test_materialize_in_chunks_matches_the_per_example_reference(
     monkeypatch, rows_at_once, options
 ):
-    """``explicit`` forms the per-example gradients ``EXPLICIT_CHUNK_BYTES`` at a time and
+    """``explicit`` forms the per-example gradients ``explicit_chunk_bytes`` at a time and
     adds the chunks' sums: checked against ``vmap(grad)``, clipped and summed here, at one
     row, three rows and the whole microbatch at once, with weights, per-leaf bounds, a
     NaN row dropped by ``nan_safe``, metrics, aux, a remainder and a bfloat16 model."""
-    monkeypatch.setattr(
-        per_example_room, "EXPLICIT_CHUNK_BYTES", rows_at_once * _CHUNK_GRADIENT_BYTES
-    )
+    _tune(monkeypatch, explicit_chunk_bytes=rows_at_once * _CHUNK_GRADIENT_BYTES)
     options = dict(options)
     narrow = options.pop("bfloat16", False)
     weighted, nan_row = options.pop("weighted", False), options.pop("nan_row", False)
@@ -434,7 +440,7 @@ def test_materialize_in_chunks_matches_the_reference_for_any_sizes(
     chunked per-example sum is ``vmap(grad)``'s, clipped and weighted in float64."""
     size = min(size, rows)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(per_example_room, "EXPLICIT_CHUNK_BYTES", at_once * _CHUNK_GRADIENT_BYTES)
+        _tune(patch, explicit_chunk_bytes=at_once * _CHUNK_GRADIENT_BYTES)
         fn = micro_grad(
             lambda p, x, y: _chunk_loss(p, x, y)[0],
             batch_argnums=(1, 2),
@@ -499,7 +505,7 @@ def test_materialize_holds_one_chunk_of_per_example_gradients(monkeypatch):
     common = {"batch_argnums": (1, 2), "microbatch_size": 256, "clip_method": "materialize"}
     temps = []
     for rows in [16, 256]:  # a fresh function each: traces are cached per function
-        monkeypatch.setattr(per_example_room, "EXPLICIT_CHUNK_BYTES", rows * gradient_bytes)
+        _tune(monkeypatch, explicit_chunk_bytes=rows * gradient_bytes)
         temps.append(_temp(micro_grad(_mlp_loss, l2_clip_norm=1.0, **common), params, x, y))
     chunked, whole = temps
     assert whole >= 256 * gradient_bytes  # a microbatch of per-example gradients at once

@@ -437,7 +437,7 @@ def test_sites_that_read_one_input_share_its_gram_matrix():
         example = [jnp.zeros((tokens, k)), jnp.zeros((tokens, 4))]
         fun = lambda ps, ex: [loss({"a": ps[0], "b": ps[1]}, *ex)]  # noqa: E731
         program = _ghost.analyse(fun, params, example)
-        assert program is not None
+        assert isinstance(program, _ghost.Program), program
         return _ghost.shared_inputs(program)
 
     assert groups(_shared_loss, 2) == [[0, 1]]
@@ -664,7 +664,7 @@ def test_a_clip_factor_that_pushes_a_data_row_below_tiny_takes_the_per_example_s
     w = jnp.full((1, 2) if rule == "dense" else (1, 1, 2), 1e-3, jnp.float32)
     loss = _cancelling_cotangents_loss if rule == "dense" else _cancelling_cotangents_conv_loss
     program = _ghost.analyse(lambda ps, ex: [loss(ps[0], *ex)], [w], [x[:1], s[:1]])
-    assert program is not None
+    assert isinstance(program, _ghost.Program), program
     seen = _ghost.record(program, [w], [jnp.asarray(x)[:, None], jnp.asarray(s)[:, None]])
     linear = [k for k, site in enumerate(program.sites) if site.linear]
     assert [_ghost.scales_data(program, seen, k) for k in linear] == [True]
@@ -696,7 +696,7 @@ def _underflow_sites(entries: int) -> tuple[Any, Any, list[int]]:
     params = [jnp.full((entries, 1), 1e-3, jnp.float32)]
     example = [jnp.ones((1, entries), jnp.float32), jnp.ones((1,), jnp.float32)]
     program = _ghost.analyse(fun, params, example)
-    assert program is not None
+    assert isinstance(program, _ghost.Program), program
     return program, params, [k for k, site in enumerate(program.sites) if site.linear]
 
 

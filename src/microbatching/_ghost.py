@@ -19,7 +19,7 @@ of the program. So:
     (transpose, reshape, a same-dtype convert). Its gradient is ``A^T G`` (rows ``t``
     over the example's free dimensions), and ``||A^T G||^2`` is either the Gram form
     ``sum_ts (a_t.a_s)(g_t.g_s)`` or the product itself, whichever costs less:
-    flops, and what it writes (``GRAM_ENTRY_FLOPS``).
+    flops, and what it writes (``_tuning.Knobs.gram_entry_flops``).
   - ``embedding``: the leaf is the table of one gather of rows: ``sum_ts [i_t = i_s]
     (g_t.g_s)``, or the scattered rows when the table is smaller than ``T^2``.
   - ``direct``: any other leaf (biases, norm scales, convolution kernels, tied or shared
@@ -48,19 +48,11 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun, primitives
 
-from . import _clipping, _layout, _primitives, _programs, _sharding
+from . import _clipping, _layout, _primitives, _programs, _sharding, _tuning
 from ._primitives import facts
 
 _PRIMS = primitives
 """The primitives whose identity a rule reads (a ``dot_general`` site, an ``add``)."""
-
-NORM_CHUNK_BYTES = 4 * 2**20
-"""Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
-norms are computed a chunk of examples at a time, so that they cost no more memory than
-the activations the backward pass holds anyway."""
-
-DIRECT_CHUNK_BYTES = 32 * 2**20
-"""Bytes of per-example gradients of ``direct`` leaves formed at once."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -420,21 +412,6 @@ def ghost_cost(program: Program) -> int:
     return sum(rule.flops for rule in program.rules) - saved
 
 
-MATERIALIZE_FLOPS_PER_ENTRY = 12
-"""What forming, reading, scaling and summing one entry of a per-example gradient costs,
-in flops of the ghost norms' products. Calibrated on 2 CPU cores with
-``benchmarks/clipping.py``: on its transformer block (85k parameters, norms of 1.6
-Mflop per example) per-example gradients took 1.16-1.24x a plain step against ghost's
-1.40-1.46x, and on its MLP (670k parameters, norms of 4 kflop) ghost took 1.05x.
-
-Not counted: the per-example weight-gradient products that materialize forms over an
-example's rows, which replace the plain step's one product over the batch but run as
-many small ones. On the tied transformer LM of ``benchmarks/clipping.py`` at 64 tokens
-the model puts ghost at 4.6x materialize (13.2M against 2.9M per example), where both
-measured 1.6-2.0x a plain step on 2 shared cores, materialize no slower; at 256 tokens
-(product forms) materialize took 1.15-1.25x against ghost's 1.3-1.7x, as the model says."""
-
-
 def materialize_cost(program: Program) -> int:
     """Per-example cost, in the same flops, of forming every per-example gradient: its
     entries, and the products of a convolution's kernel gradient, which XLA computes one
@@ -445,7 +422,7 @@ def materialize_cost(program: Program) -> int:
         for site in program.sites
         if program.eqns[site.eqn].primitive is _PRIMS.conv_general_dilated_p and site.free == (1,)
     )
-    return MATERIALIZE_FLOPS_PER_ENTRY * size + convolutions
+    return _tuning.knobs().materialize_flops_per_entry * size + convolutions
 
 
 def _key(program: Program, site: Site, position: int) -> int:
@@ -500,26 +477,9 @@ def _gram_cost(program: Program, site: Site) -> tuple[str, str, int, int, int] |
     return None
 
 
-GRAM_ENTRY_FLOPS = 64
-"""What writing one entry of a norm's intermediates costs, in flops of its products, when
-``_product_cost`` chooses between the Gram and the product form: the Gram form writes
-``2 + blocks`` matrices of ``T x T`` per example (each block of ``GRAM_BLOCK`` entries
-is its own small product, then the error bound's passes), the product form one
-``K x N``. Calibrated on 2 CPU cores (jax 0.10.2) with ``benchmarks/clipping.py``,
-``clip_method="ghost"`` against a plain step, medians of 7 interleaved calls: on the tied
-transformer LM at 64 tokens, Gram forms at every dense site took 3.0x, product forms
-2.2x (by flops alone the Gram form is the cheaper or equal at each); on the transformer
-block at 32 tokens, 3.0x against 2.3x (2.8x with the MLP's two sites left to the Gram
-form, as a weight of 24 would); on the CNN at microbatch 64, 3.5x against 2.0x (its
-second convolution, 49 positions of 288 inputs). A weight of 64 gives the product form
-to each of these and keeps the Gram form where rows are few and wide (16 tokens of
-512 inputs and outputs: 1.3 against 21 Mflop). By flops alone, the Gram form was
-chosen wherever ``T^2 (K + N) <= T K N``."""
-
-
 def _product_cost(h: int, t: int, k: int, n: int) -> tuple[str, int, int, int]:
     """``(form, flops, entries, product entries)`` of the cheaper of the two forms of
-    ``_product_norm``: flops, and ``GRAM_ENTRY_FLOPS`` for each entry of the
+    ``_product_norm``: flops, and ``_tuning.Knobs.gram_entry_flops`` for each entry of the
     intermediates it writes (the rows themselves are read by both)."""
     rows = h * t * (k + n)
     product = rows + h * k * n
@@ -527,7 +487,8 @@ def _product_cost(h: int, t: int, k: int, n: int) -> tuple[str, int, int, int]:
         return "rows", h * (k + n), rows, product
     blocks = sum(-(-d // GRAM_BLOCK) for d in (k, n) if d > GRAM_BLOCK)  # gram_matrices
     gram_flops, written = h * t * t * (k + n), (2 + blocks) * h * t * t
-    if gram_flops + GRAM_ENTRY_FLOPS * written <= h * t * k * n + GRAM_ENTRY_FLOPS * h * k * n:
+    weight = _tuning.knobs().gram_entry_flops
+    if gram_flops + weight * written <= h * t * k * n + weight * h * k * n:
         return "gram", gram_flops, rows + written, product
     return "product", h * t * k * n, product, product
 
@@ -969,7 +930,7 @@ def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
 
 def _chunk_rows(per_example: int) -> int:
     """How many examples' norm intermediates of ``per_example`` bytes fit in a chunk."""
-    return max(1, NORM_CHUNK_BYTES // max(per_example, 1))
+    return max(1, _tuning.knobs().norm_chunk_bytes // max(per_example, 1))
 
 
 def _by_chunks(f: Callable[[Any], jax.Array], xs: Any, size: int) -> jax.Array:
@@ -1139,11 +1100,11 @@ def per_example_grads(
 
 
 def chunk(program: Program, leaves: Sequence[int]) -> int:
-    """How many examples' gradients of ``leaves`` fit in ``DIRECT_CHUNK_BYTES``."""
+    """How many examples' gradients of ``leaves`` fit in ``_tuning.Knobs.direct_chunk_bytes``."""
     size = sum(
         math.prod(program.avals[leaf].shape) * program.avals[leaf].dtype.itemsize for leaf in leaves
     )
-    return max(1, DIRECT_CHUNK_BYTES // max(size, 1))
+    return max(1, _tuning.knobs().direct_chunk_bytes // max(size, 1))
 
 
 def _direct_norms(

@@ -34,6 +34,7 @@ from . import (
     _sharding,
     _signature,
     _statistics,
+    _tuning,
     _vmap,
 )
 from ._signature import SHAPES_NOTE, WEIGHTS, BatchAxes, first_few
@@ -463,11 +464,11 @@ def explicit(
     factor and weight, and added up in the accumulation dtype.
 
     Each example's clip factor reads its own gradient only, so the gradients are formed
-    a chunk of rows at a time (``EXPLICIT_CHUNK_BYTES``) and each chunk's sum is added
+    a chunk of rows at a time (``_tuning.Knobs.explicit_chunk_bytes``) and each chunk's sum is added
     to the last: the same terms, summed in the same dtype, with memory for one chunk of
     gradients instead of the microbatch's. One shard's rows of a batch split over a mesh
     (``Sums.by_shard``, run vmapped over the shards) are taken at once."""
-    rows, size = _chunk_rows(sums.example, args, kwargs, EXPLICIT_CHUNK_BYTES)
+    rows, size = _chunk_rows(sums.example, args, kwargs, _tuning.knobs().explicit_chunk_bytes)
     if size in (0, rows) or sums.by_shard:
         return _explicit(sums, given, args, kwargs)
     split = functools.partial(_split_rows, size=size)
@@ -736,17 +737,6 @@ def by_shard(
     return mapped(weights, args, kwargs)
 
 
-STATISTICS_CHUNK_BYTES = 32 * 2**20
-"""How many bytes of per-example gradients to form at once for their norms or metrics.
-
-They are formed a chunk of rows at a time (``lax.map``), so memory holds at most this
-much of them, and XLA:CPU runs faster on chunks that stay near its caches. Measured for
-a 256-512-512-10 MLP (1.6 MB of gradient per example) at microbatch 256: 43 ms in chunks
-of 16 rows against 130 ms at once; for a 64-256-10 MLP (76 kB) at microbatch 64, 9.8 ms
-at once against 13.1 ms in chunks of 16.
-"""
-
-
 def _chunk_rows(
     example: Examples,
     args: tuple[Any, ...],
@@ -755,7 +745,7 @@ def _chunk_rows(
 ) -> tuple[int, int]:
     """The microbatch's rows, and how many of them to take at once: the largest divisor
     whose per-example gradients (in the parameters' dtype) fit ``bound`` bytes
-    (``STATISTICS_CHUNK_BYTES`` by default)."""
+    (``_tuning.Knobs.statistics_chunk_bytes`` by default)."""
     rows = first_batched(example.axes, args, kwargs).shape[0]
     per_row = sum(
         np.size(x) * jnp.result_type(x).itemsize
@@ -763,7 +753,8 @@ def _chunk_rows(
         if i < len(args)  # a missing one: the call of fun says so
         for x in jax.tree.leaves(args[i])
     )
-    most = max(1, (STATISTICS_CHUNK_BYTES if bound is None else bound) // max(per_row, 1))
+    chunk = _tuning.knobs().statistics_chunk_bytes if bound is None else bound
+    most = max(1, chunk // max(per_row, 1))
     return rows, max([d for d in range(1, min(rows, most) + 1) if rows % d == 0], default=rows)
 
 
@@ -789,21 +780,6 @@ def _rebuilt(
     """The call's arguments with one chunk's rows in place of the batched ones."""
     a = tuple(chunk[0].get(i, v) for i, v in enumerate(args))
     return a, {n: chunk[1].get(n, v) for n, v in kwargs.items()}
-
-
-EXPLICIT_CHUNK_BYTES = 16 * 2**20
-"""How many bytes of per-example gradients ``explicit`` (``materialize``) forms at once.
-
-Each chunk's scaled sum is added to the last, so memory holds one chunk of gradients,
-not the microbatch's. Measured on 2 cores (median of 7, `clip_method` left `auto`,
-which takes ``materialize`` on each; whole microbatch against chunks of 16 MiB): the
-tied transformer LM of ``benchmarks/clipping.py`` at microbatch 64 (0.91 MiB of
-gradient per example), 218 against 206 ms and 92.5 against 24.1 MiB of temp; the
-Flax NNX LM at microbatch 256 (0.46 MiB), 271 against 170 ms, 371 against 43 MiB; an
-MLP 784-512-512-10 in bfloat16 at microbatch 256, unclipped (its float32 sums take
-the per-example gradients), 643 against 570 ms, 401 against 24 MiB. Chunks of 8 MiB
-were slower on the LM (241 ms), of 32 MiB no faster (215 ms, 47 MiB).
-"""
 
 
 def _in_chunks(

@@ -17,9 +17,11 @@ under differentiation (``custom_jvp``, ``custom_vjp``, a linear solve, a callbac
 in the table as user code: never assumed linear where its rule decides, never
 re-derived.
 
-This is the one module that names JAX's internal modules; checked on jax 0.10.2
-(with and without ``JAX_CUSTOM_VJP3``, ``JAX_REMAT3`` and ``JAX_SCAN3``). A primitive
-that an installed JAX lacks is left out, which makes it opaque, never wrong.
+This is the one module that names JAX's internal modules; checked on jax 0.10.2 (with
+and without ``JAX_CUSTOM_VJP3``, ``JAX_REMAT3`` and ``JAX_SCAN3``) and on jax 0.12.0.1,
+where ``closed_call`` is ``eval_jaxpr`` (its body ``call_jaxpr``) and ``ClosedJaxpr`` is
+``Jaxpr``. A name that an installed JAX lacks is left out of the table, which makes
+that primitive opaque, never wrong.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ _ELEMENTWISE = [
     "erf_inv", "lgamma", "digamma", "integer_pow", "square", "convert_element_type", "copy",
     *_ADDITIVE, "mul", "div", "max", "min", "pow", "atan2", "rem", "eq", "ne",
     "lt", "le", "gt", "ge", "and", "or", "xor", "select_n", "clamp", "reduce_precision",
-    "nextafter",
+    "nextafter", "one_minus_square", "log2", "polynomial",  # the last three: jax 0.12
 ]  # fmt: skip
 _LINEAR_OPERAND = ["transpose", "reshape", "squeeze", "broadcast_in_dim", "slice", "rev",
                    "reduce_sum", "cumsum", "copy", "neg"]  # fmt: skip
@@ -331,8 +333,8 @@ _CHECKED_PARAMS: dict[str, frozenset[str]] = {
     }),
     "transpose": frozenset({"permutation"}),
     "reduce_sum": frozenset({"axes", "out_sharding"}),
-    "reduce_max": frozenset({"axes", "out_sharding"}),
-    "reduce_min": frozenset({"axes", "out_sharding"}),
+    "reduce_max": frozenset({"axes"}),
+    "reduce_min": frozenset({"axes"}),
 }  # fmt: skip
 """The parameters of each primitive that a backend rewrite (``_convs``, ``_dots``,
 ``_squeeze``) reads or writes, as jax 0.10.2 names them."""

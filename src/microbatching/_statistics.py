@@ -46,7 +46,7 @@ from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.extend.core import Literal as JaxprLiteral
 
-from . import _accumulators, _ghost, _layout, _primitives, _sharding
+from . import _accumulators, _ghost, _layout, _primitives, _sharding, _tuning
 from ._primitives import facts
 from ._signature import leaf_paths
 from ._typing import PyTree
@@ -489,7 +489,7 @@ def cost(reading: Reading, program: _ghost.Program) -> int:
     return (
         total
         + sum(products[leaf] for leaf in direct)
-        + _ghost.MATERIALIZE_FLOPS_PER_ENTRY * entries
+        + _tuning.knobs().materialize_flops_per_entry * entries
     )
 
 
