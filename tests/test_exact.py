@@ -166,11 +166,11 @@ def test_custom_vjp_not_linear_in_its_cotangent_takes_the_mean_unseeded(accumula
     assert_close(got, want.astype(np.float32), terms=8)
 
 
-def _exact(loss, scaled, dtype=jnp.float32, requested=None):
+def _exact(loss, dtype=jnp.float32, requested=None):
     example = per_example.Examples(loss, _axes(loss), 0, False, True)
     sums = per_example.Sums(example, None, None, requested)
     args = (P.astype(dtype), X.astype(dtype))
-    return per_example.summed_is_exact(sums, scaled, args, {})
+    return per_example.summed_is_exact(sums, args, {})
 
 
 def _axes(loss):
@@ -181,11 +181,11 @@ def _axes(loss):
 
 def test_fast_path_rule_takes_only_what_it_can_prove():
     relu_loss = lambda p, v: jnp.sum(jax.nn.relu(v @ p))  # noqa: E731  custom_jvp: linear
-    assert _exact(relu_loss, scaled=True)
-    assert _exact(clipped_loss, scaled=False)  # every cotangent 1: each example's own VJP
-    assert not _exact(clipped_loss, scaled=True)  # a user-written backward rule
-    assert not _exact(relu_loss, scaled=False, dtype=jnp.float16)  # summed in float16
-    assert _exact(relu_loss, scaled=False, dtype=jnp.float16, requested=jnp.float16)
+    assert _exact(relu_loss)
+    # a user-written backward rule on the parameters' side sees the summed cotangent
+    assert not _exact(clipped_loss)
+    assert not _exact(relu_loss, dtype=jnp.float16)  # summed in float16
+    assert _exact(relu_loss, dtype=jnp.float16, requested=jnp.float16)
 
 
 def test_the_report_says_why_the_summed_gradient_is_not_taken():
@@ -225,7 +225,7 @@ def test_custom_vjp_nested_in_a_custom_jvp_rule_is_seen():
         return x
 
     f.defjvp(lambda primals, tangents: (primals[0], clip_gradient(tangents[0])))
-    assert not _exact(lambda p, v: jnp.sum(f(v @ p)), scaled=True)
+    assert not _exact(lambda p, v: jnp.sum(f(v @ p)))
 
 
 # --- norms at the ends of the float range --------------------------------------------

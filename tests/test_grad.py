@@ -158,3 +158,46 @@ def test_summed_per_example_dense_gradients_are_exact_at_small_microbatches():
     for got in (jax.jit(grad_fn)(params, x, y)[0], jax.jit(mapped)(x, y)):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+_PLANNED_ONCE = {
+    "plain": {},
+    "plain, weighted": {"weighted": True},
+    "plain, remainder": {"allow_remainder": True},
+    "clipped (ghost)": {"l2_clip_norm": 0.5},
+    "clipped, weighted": {"l2_clip_norm": 0.5, "weighted": True},
+    "clipped, remainder": {"l2_clip_norm": 0.5, "allow_remainder": True},
+    "statistics": {"transform_fn": lambda g: (g, jax.tree.map(jnp.square, g))},
+}
+
+
+@pytest.mark.parametrize("name", _PLANNED_ONCE)
+@pytest.mark.parametrize("keep_batch_dim", [False, True])
+def test_the_loss_is_traced_once_to_plan_and_once_in_the_loop(name, keep_batch_dim):
+    """The plain, clipped and statistics steps trace the loss twice a call: once to plan
+    (what the engine reads, carried in the plan) and once in the loop; with
+    ``keep_batch_dim=True`` once more, on a probe batch, for the batch-statistics
+    warning. Each result is ``vmap(grad)``'s, so a plan that skipped a trace it needs
+    would show."""
+    options = dict(_PLANNED_ONCE[name])
+    weighted = options.pop("weighted", False)
+    traces = []
+
+    def loss(params, x, y):
+        traces.append(None)
+        return _loss(params, x if keep_batch_dim else x[None], y if keep_batch_dim else y[None])
+
+    rows = 13 if options.get("allow_remainder") else 12
+    params, x, y = _problem(0, rows)
+    weights = jnp.linspace(0.5, 1.5, rows) if weighted else jnp.ones(rows)
+    fn = micro_grad(loss, batch_argnums=(1, 2), keep_batch_dim=keep_batch_dim,
+                    microbatch_size=4, **options)  # fmt: skip
+    call = {"example_weights": weights} if weighted else {}
+    got = jax.jit(fn)(params, x, y, **call)[0]
+    assert len(traces) <= (3 if keep_batch_dim else 2), len(traces)
+    _, grads = _reference(params, x, y)
+    if "l2_clip_norm" in options:
+        grads = jax.vmap(_clip)(grads)
+    transform = options.get("transform_fn", lambda g: g)
+    want = jax.tree.map(lambda g: jnp.einsum("b,b...->...", weights, g), jax.vmap(transform)(grads))
+    assert_close(got, want, terms=rows)

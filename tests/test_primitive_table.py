@@ -318,3 +318,62 @@ def test_an_equation_the_table_does_not_hold_is_opaque():
     assert _primitives.facts(eqn).derived is False
     assert _primitives.body(eqn) is None
     assert list(_primitives.sub_programs(eqn)) == []
+
+
+@jax.custom_vjp
+def _clipped_cotangent(w):
+    return w
+
+
+_clipped_cotangent.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -0.3, 0.3),))
+
+_PARAMETER_SIDE = {
+    "custom_vjp on the weight": lambda w, x: jnp.sum(jnp.tanh(x @ _clipped_cotangent(w)) ** 2),
+    "reduce_precision on the weight": lambda w, x: jnp.sum(
+        jnp.tanh(x @ jax.lax.reduce_precision(w, exponent_bits=5, mantissa_bits=4)) ** 2
+    ),
+}
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 3])
+@pytest.mark.parametrize("name", _PARAMETER_SIDE)
+def test_an_unclipped_sum_through_a_rule_on_the_parameters_is_the_per_example_sum(
+    name, microbatch_size
+):
+    """One backward pass of the summed loss passes the batch's summed cotangent through a
+    rule on the parameters' side, once; each example's gradient passes its own. Neither
+    rule is linear in its cotangent (a clip, a rounding), so the plain gradient is not
+    the sum of the per-example gradients, weighted or not: the per-example path."""
+    loss = _PARAMETER_SIDE[name]
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    fn = microbatching.micro_grad(loss, batch_argnums=1, keep_batch_dim=False,
+                                  microbatch_size=microbatch_size)  # fmt: skip
+    report = microbatching.clipping_report(fn, w, x)
+    assert report.method != "plain", report.reason
+    want = jnp.sum(jax.vmap(jax.grad(loss), (None, 0))(w, x), axis=0)
+    assert_close(fn(w, x)[0], want, terms=6)
+    with pytest.raises(
+        ValueError,
+        match=r"clip_method='two_pass'.*not exactly the weighted sum.*the loss holds (custom_vjp_call|reduce_precision)",
+    ):
+        microbatching.micro_grad(loss, batch_argnums=1, keep_batch_dim=False,
+                                 l2_clip_norm=C, clip_method="two_pass")(w, x)  # fmt: skip
+
+
+def test_a_clipped_sum_with_a_rounded_weight_takes_the_per_example_gradients(data):
+    """``reduce_precision`` on a weight rounds each example's cotangent in its backward
+    pass: the ghost engine, whose sums are not JAX's, stays out, and the values are
+    ``vmap(grad)``'s. (A derivative through the result rounds the weight's cotangent
+    once per microbatch, where ``vmap(grad)`` over the whole batch rounds it once: the
+    microbatches are a different program there, as they would be written by hand.)"""
+    w, x, weights = data
+    loss = _PARAMETER_SIDE["reduce_precision on the weight"]
+    fn = microbatching.micro_grad(loss, batch_argnums=1, keep_batch_dim=False,
+                                  microbatch_size=MICRO, l2_clip_norm=C)  # fmt: skip
+    report = microbatching.clipping_report(fn, w, x, example_weights=weights)
+    assert report.method == "materialize"
+    assert "the loss holds reduce_precision" in report.reason
+    assert_close(fn(w, x, example_weights=weights)[0], _reference(loss, w, x, weights),
+                 terms=BATCH)  # fmt: skip

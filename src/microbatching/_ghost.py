@@ -167,20 +167,22 @@ def unreadable(program: Program) -> str | None:
     """Why the ghost engine does not read ``program``, in words; None where it does.
 
     It reads only what the primitive table knows. A primitive the table does not hold,
-    or one that runs the user's derivative code other than a ``custom_jvp`` (a
-    ``custom_vjp``, a linear solve, a callback), anywhere in the program: the engine
-    would have to run that code where JAX does not (a forward-mode derivative through
-    the result pushes tangents through a ``custom_vjp``'s forward pass, which JAX
-    refuses). A ``custom_jvp`` where a parameter meets the data: its site's product is
-    the user's rule, which the engine does not re-derive. The per-example gradients are
-    exact for both."""
+    one that runs the user's derivative code other than a ``custom_jvp`` (a
+    ``custom_vjp``, a linear solve, a callback), or one that rounds its cotangent
+    (``reduce_precision``), anywhere in the program: the engine would have to run that
+    code where JAX does not (a forward-mode derivative through the result pushes
+    tangents through a ``custom_vjp``'s forward pass, which JAX refuses), or its
+    derivatives through the result would round other sums than JAX's. A ``custom_jvp``
+    where a parameter meets the data: its site's product is the user's rule, which the
+    engine does not re-derive. The per-example gradients are exact for all of them."""
     for e in program.eqns:
         for known in (facts(e), *_inner_facts(e)):
-            if not known.derived and not known.rounding:
+            if not known.derived or known.rounding:
                 return (
                     f"the loss holds {known.name}, which the primitive table does not "
-                    "know as derived by JAX (a custom_vjp, a linear solve, a callback, or "
-                    "a primitive it has not seen)"
+                    "know as derived by JAX and linear in its cotangent (a custom_vjp, a "
+                    "linear solve, a callback, lax.reduce_precision, or a primitive it has "
+                    "not seen)"
                 )
     for site in program.sites:
         e = program.eqns[site.eqn]

@@ -349,9 +349,7 @@ class _Calls:
         """The plan of a call with positional ``args``; ``layout``: read its layout too."""
         request = self.request
         example, settings = request.example, request.settings
-        size = _batch.locate(example.axes, args, kwargs, weights, None, None).size
-        m = settings.size
-        padded = settings.allow_remainder and m is not None and size % m != 0
+        _batch.locate(example.axes, args, kwargs, weights, None, None)  # its errors first
         where = None
         first = _per_example.find_batched(example.axes, args, kwargs)
         if layout and first is not None and not request.batched_grad:
@@ -360,7 +358,6 @@ class _Calls:
             nums = example.nums()
             leaves = jax.tree.leaves([args[i] for i in nums if i < len(args)])
             where = _fsdp.layout(first, leaves, settings.mesh_axes, request.trade, given)
-        weighted = weights is not None or padded
         sharded = first is not None and _layout.shards(first, 0, settings.mesh_axes) is not None
         nums = example.nums()
 
@@ -368,7 +365,7 @@ class _Calls:
             return owner in nums or example.axes.spec(owner) is not None
 
         def planned(a: tuple[Any, ...], k: dict[str, Any]) -> _methods.GradPlan:
-            return _methods.plan(request, a, k, weighted, where, sharded)
+            return _methods.plan(request, a, k, where, sharded)
 
         return _abstractly(planned, args, kwargs, abstract)
 

@@ -391,10 +391,8 @@ _NO_GHOST = (
 _NOT_LINEAR = (
     "micro_grad was given clip_method={method!r}, which takes the gradient of the loss "
     "weighted by the clip factors, but that gradient is not exactly the weighted sum of "
-    "the per-example gradients here (a value narrower than its accumulation dtype, a "
-    "custom VJP or JVP rule, which cannot be read as linear in its cotangent and which "
-    "jnp.linalg's solve, inv and slogdet use, or lax.reduce_precision, which rounds "
-    "it). Pass clip_method='auto' or 'ghost'."
+    "the per-example gradients here: {reason}. Pass clip_method='auto' to let micro_grad "
+    "pick an exact method, or 'materialize'."
 )
 
 
@@ -402,13 +400,14 @@ def plan(
     request: GradRequest,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    weighted: bool,
     layout: _fsdp.Layout | None = None,
     sharded: bool = False,
 ) -> GradPlan:
-    """The plan of one call with positional ``args`` and ``kwargs`` (no weights), which
-    are weighted where ``weighted``, and whose batch is split over a mesh where
-    ``sharded``; raises where the method asked for cannot compute it.
+    """The plan of one call with positional ``args`` and ``kwargs`` (no weights), whose
+    batch is split over a mesh where ``sharded``; raises where the method asked for
+    cannot compute it. Whether the examples are weighted does not change it: one
+    gradient of the summed loss is exact for weights where it is exact at all
+    (``_per_example.summed_differs``).
 
     Every decision of the summed path is here, in this order: nothing per example (the
     plain gradient, where exact); a ``metrics_fn`` that needs the gradients (chunked);
@@ -446,24 +445,22 @@ def plan(
         if isinstance(found, Declined):
             raise ValueError(_NO_STATISTICS.format(reason=found.reason))
         return found
-    scaled = request.clipping is not None or weighted
-
     differs: list[_per_example.Differs] = []
 
-    def why_not(scaled: bool = scaled) -> str | None:  # the loss traced once, at most
+    def why_not() -> str | None:  # the loss traced once, at most
         if not differs:
             differs.append(_per_example.summed_differs(sums, args, kwargs))
-        return differs[0].why(scaled)
+        return differs[0].why()
 
-    def exact(scaled: bool = scaled) -> bool:
-        return why_not(scaled) is None
+    def exact() -> bool:
+        return why_not() is None
 
     def not_linear() -> ValueError:
-        return ValueError(_NOT_LINEAR.format(method=asked))
+        return ValueError(_NOT_LINEAR.format(method=asked, reason=why_not()))
 
     if request.clipping is None and sums.metrics is None:  # auto or materialize (check)
         if asked != "materialize" and exact():
-            return each(PLAIN, "unused", "no clipping and no norms", exact(True))
+            return each(PLAIN, "unused", "no clipping and no norms", True)
         why = _ASKED if asked == "materialize" else f"not one gradient per microbatch: {why_not()}"
         return each(MATERIALIZE, "per-example", why)
     if asked == "materialize":

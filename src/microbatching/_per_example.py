@@ -861,12 +861,10 @@ def open_sum(g: Any, requested: Any, merge: str | None, where: Any = None) -> An
     return _layout.Open(value.astype(wide), dtype, merge)
 
 
-def summed_is_exact(
-    sums: Sums, scaled: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
+def summed_is_exact(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the gradient of the (weighted) summed loss equals the (weighted) sum of the
     per-example gradients, as accumulated (``summed_differs`` says why not)."""
-    return summed_differs(sums, args, kwargs).why(scaled) is None
+    return summed_differs(sums, args, kwargs).why() is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -875,17 +873,16 @@ class Differs:
     gradients, as accumulated: each reason in words, or None.
 
     Attributes:
-      narrow: A value is narrower than its accumulation dtype (any call).
-      not_linear: The backward pass may not be linear in its cotangent (a call whose
-        examples are scaled: clip factors, weights, a padding mask).
+      narrow: A value is narrower than its accumulation dtype.
+      not_linear: The backward pass may not be linear in its cotangent.
     """
 
     narrow: str | None
     not_linear: str | None
 
-    def why(self, scaled: bool) -> str | None:
-        """The reason for a call whose examples are ``scaled`` or not; None if exact."""
-        return self.narrow or (self.not_linear if scaled else None)
+    def why(self) -> str | None:
+        """The first reason, or None where the summed gradient is exact."""
+        return self.narrow or self.not_linear
 
 
 def summed_differs(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Differs:
@@ -896,10 +893,13 @@ def summed_differs(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
       parameters, loss, intermediates and what the rules of its ``custom_jvp`` functions
       compute, is narrower than the dtype the accumulation would give it (float16 would
       overflow, a clip factor or weight would be rounded).
-    - When the examples are scaled, the backward pass is linear in its cotangent: every
-      primitive, at any depth and in every ``custom_jvp`` rule, is one the primitive
-      table knows JAX to derive (``_primitives.not_linear``). With all cotangents 1 each
-      example's backward pass is its own gradient's.
+    - The backward pass is linear in its cotangent: every primitive, at any depth and in
+      every ``custom_jvp`` rule, is one the primitive table knows JAX to derive
+      (``_primitives.not_linear``). Scaled or not: a rule on the parameters' side of the
+      program (a ``custom_vjp`` or ``reduce_precision`` on a weight) sees the cotangent
+      summed over the batch, where each example's gradient passes its own through it; a
+      rule on the data's side sees the batch's cotangents at once, where each example's
+      gradient passes its own row.
 
     The loss is traced once, never differentiated here: a JVP of a ``custom_vjp`` that no
     reverse pass encloses is JAX's error under ``JAX_CUSTOM_VJP3``.
@@ -930,12 +930,12 @@ def summed_differs(sums: Sums, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 NOT_LINEAR = (
-    "the loss holds {name}, which the backward pass of the weighted loss cannot be proven "
-    "linear through (a custom VJP rule, a custom linear solve, lax.reduce_precision, or a "
-    "primitive the engine does not know)"
+    "the loss holds {name}, which one backward pass of the summed loss cannot be proven "
+    "linear through (a custom VJP rule, a custom linear solve, lax.reduce_precision, a "
+    "callback, or a primitive the engine does not know)"
 )
-"""Why the gradient of the weighted loss may not be the weighted sum of the per-example
-gradients (``summed_differs``)."""
+"""Why the gradient of the summed loss may not be the sum of the per-example gradients
+(``summed_differs``)."""
 
 
 NARROWER = (
