@@ -972,14 +972,16 @@ def test_weighted_loss_methods_refuse_a_custom_vjp_not_linear_in_its_cotangent(m
         rng = np.random.default_rng(2)
         case = Model(_solved, normal(rng, 3, 3), (normal(rng, BATCH, 3),))
     fn = grad_fn(case, l2_clip_norm=CLIP, clip_method=method)
+    held = "custom_vjp_call" if model == "custom_vjp" else "custom_linear_solve"
     with pytest.raises(
         ValueError,
         match=rf"^micro_grad was given clip_method='{method}', which takes the gradient of the "
         r"loss weighted by the clip factors, but that gradient is not exactly the weighted sum "
-        r"of the per-example gradients here \(a value narrower than its accumulation dtype, a "
-        r"custom VJP or JVP rule, which cannot be read as linear in its cotangent and which "
-        r"jnp.linalg's solve, inv and slogdet use, or lax.reduce_precision, which rounds "
-        r"it\). Pass clip_method='auto' or 'ghost'\.",
+        rf"of the per-example gradients here: the loss holds {held}, which one backward pass "
+        r"of the summed loss cannot be proven linear through \(a custom VJP rule, a custom "
+        r"linear solve, lax.reduce_precision, a callback, or a primitive the engine does not "
+        r"know\)\. Pass clip_method='auto' to let micro_grad pick an exact method, or "
+        r"'materialize'\.",
     ):
         fn(case.params, *case.batch)
 
