@@ -263,6 +263,55 @@ def test_mean_of_integers(kind):
         microbatch(fun, 0, 4, AccumulationType[kind])(jnp.ones(8, jnp.int32))
 
 
+def test_mean_of_an_integer_aux_names_the_leaf_and_has_aux():
+    """A new user's trip: ``jax.grad(microbatch(loss_with_aux))`` with an integer in the
+    aux. The message names the leaf, gives each output its own accumulator, and says
+    how ``jax.grad`` takes a (loss, aux) pair."""
+
+    def loss(p, x):
+        return jnp.sum((x @ p) ** 2), jnp.argmax(x[0])
+
+    step = microbatch(loss, argnums=1, microbatch_size=4, accumulator=AccumulationType.MEAN)
+    p, x = jnp.ones(3), jnp.ones((8, 3))
+    with pytest.raises(
+        ValueError,
+        match=r"^AccumulationType\.MEAN needs floating-point results, but fun returned a leaf "
+        r"at \[1\] of dtype int(32|64) and shape \(\); cast it to a float dtype inside fun, or "
+        r"accumulate it with AccumulationType\.SUM\. fun returns several outputs, and one "
+        r"accumulator applies to all of them: give each its own, e\.g\. "
+        r"accumulator=\(AccumulationType\.MEAN, AccumulationType\.SUM\) for a \(loss, aux\) "
+        r"pair\. If that pair is a loss and its auxiliary data, its gradient is "
+        r"jax\.grad\(\.\.\., has_aux=True\) of the microbatched function \(without has_aux, "
+        r"jax\.grad refuses a pair\)\.",
+    ):
+        jax.grad(step)(p, x)
+    fixed = microbatch(
+        loss,
+        argnums=1,
+        microbatch_size=4,
+        accumulator=(AccumulationType.MEAN, AccumulationType.SUM),
+    )
+    got, aux = jax.grad(fixed, has_aux=True)(p, x)
+    want = jax.grad(lambda p: loss(p, x)[0])(p) / 2  # the mean of two microbatches' sums
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert int(aux) == 0
+
+
+def test_transform_fn_on_a_dict_of_parameters_says_it_gets_the_pytree():
+    def loss(params, x):
+        return jnp.sum((x @ params["w"]) ** 2)
+
+    step = micro_grad(loss, microbatch_size=4, transform_fn=lambda g: (g, g**2))
+    with pytest.raises(TypeError, match=r"unsupported operand type") as caught:
+        step({"w": jnp.ones(3)}, jnp.ones((8, 3)))
+    assert caught.value.__notes__[0] == (
+        "(microbatching: transform_fn receives one example's gradient as a pytree shaped "
+        "like the differentiated arguments, e.g. a dict of parameters, not one array: apply "
+        "a per-array function with jax.tree.map, e.g. transform_fn=lambda g: (g, "
+        "jax.tree.map(jnp.square, g)).)"
+    )
+
+
 @pytest.mark.x64
 @pytest.mark.parametrize("kind", ["MEAN", "RUNNING_MEAN"])
 def test_micro_vmap_mean_of_integers_is_a_float_mean_as_in_optax(kind):

@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from microbatching import AccumulationType, Accumulator, micro_grad, micro_vmap, microbatch
+from microbatching import (
+    AccumulationType,
+    Accumulator,
+    UnsplitBatchWarning,
+    micro_grad,
+    micro_vmap,
+    microbatch,
+)
 from microbatching import _per_example as per_example
 
 from .strategies import assert_close, random_array
@@ -328,19 +335,112 @@ def test_default_batch_argnums_warns_once_about_another_batch_argument():
     y = random_array(1, (8,), jnp.float32)
     wrapped = micro_grad(_loss_xy, microbatch_size=4)
     with pytest.warns(
-        UserWarning,
+        UnsplitBatchWarning,
         match=r"batch_argnums was left at its default, 1, so only `x` is split into examples, "
         r"but `y` \(argument 2\) also has 8 rows on axis 0 and is passed whole to every "
-        r"example\. If it holds one entry per example, pass batch_argnums=\(1, 2\)",
+        r"example\. If it holds one entry per example, pass batch_argnums=\(1, 2\); if it is "
+        r"meant whole, pass batch_argnums=1 or whole_argnums=2 to say so\.$",
     ):
         wrapped(P, X, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrapped(P, X, y)  # once
-        micro_grad(_loss_xy, batch_argnums=1, microbatch_size=4)(P, X, y)  # explicit
+        micro_grad(_loss_xy, batch_argnums=1, microbatch_size=4, whole_argnums=2)(P, X, y)
         got, _ = micro_grad(_loss_xy, batch_argnums=(1, 2), microbatch_size=4)(P, X, y)
     want = jax.vmap(jax.grad(_loss_xy), (None, 0, 0))(P, X, y).sum(0)
     assert_close(got, want, terms=8)
+
+
+def _loss_broadcast(p, x, y):
+    """The issue's silent mistake: ``y`` left whole broadcasts against every example."""
+    return jnp.sum((jnp.sum(x @ p) - y) ** 2)
+
+
+@pytest.mark.parametrize("whole", [2, -1, (2,)])
+def test_an_explicit_batch_argnums_warns_about_an_argument_it_leaves_whole(whole):
+    """Any ``batch_argnums``: a label array left out gives a wrong gradient without an
+    error, so the warning names it; ``whole_argnums`` says it is meant whole, and the
+    result is then the reference's with ``y`` whole."""
+    y = random_array(1, (8,), jnp.float32)
+    with pytest.warns(
+        UnsplitBatchWarning,
+        match=r"^micro_grad\(_loss_broadcast\): `y` \(argument 2\) has 8 rows on axis 0, as "
+        r"the batch has, but it is not a batch argument \(batch_argnums=1\), so it is passed "
+        r"whole to every example\. If it holds one entry per example, pass "
+        r"batch_argnums=\(1, 2\); if it is meant whole, pass whole_argnums=2 to say so\.$",
+    ):
+        micro_grad(_loss_broadcast, batch_argnums=1, microbatch_size=4)(P, X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, _ = micro_grad(
+            _loss_broadcast, batch_argnums=1, microbatch_size=4, whole_argnums=whole
+        )(P, X, y)
+        # Passed by keyword, it is the same parameter.
+        micro_grad(_loss_broadcast, batch_argnums=1, microbatch_size=4, whole_argnums=whole)(
+            P, X, y=y
+        )
+    want = jax.vmap(jax.grad(_loss_broadcast), (None, 0, None))(P, X, y).sum(0)
+    assert_close(got, want, terms=8)
+
+
+def test_a_keyword_argument_left_whole_is_named_too():
+    y = random_array(1, (8,), jnp.float32)
+    with pytest.warns(UnsplitBatchWarning, match=r"`y` \(argument 2\) has 8 rows"):
+        micro_grad(_loss_broadcast, batch_argnums=1, microbatch_size=4)(P, X, y=y)
+
+
+def test_microbatch_warns_about_an_argument_its_argnums_leave_whole():
+    """``microbatch`` alike, with the batch axis that ``in_axes`` gives (1 here)."""
+    fun = lambda x, t: jnp.sum(x) * jnp.sum(t)  # noqa: E731
+    xt, t = X.T, random_array(3, (8,), jnp.float32)
+    with pytest.warns(
+        UnsplitBatchWarning,
+        match=r"^microbatch\(<lambda>\): `t` \(argument 1\) has 8 rows on axis 0, as the "
+        r"batch has, but it is not a batch argument \(argnums, argnames and in_axes\), so it "
+        r"is passed whole to every example\. If it holds one entry per example, pass "
+        r"argnums=\(0, 1\); if it is meant whole, pass whole_argnums=1 to say so\.$",
+    ):
+        got = microbatch(fun, 0, 4, in_axes=1)(xt, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = microbatch(fun, 0, 4, in_axes=1, whole_argnums=1)(xt, t)
+        microbatch(fun, 0, 4, in_axes=1)(xt, t[:5])  # not the batch's size
+    want = fun(xt, t)
+    assert_close(got, want, terms=8)
+    assert_close(again, want, terms=8)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (
+            lambda: micro_grad(_loss_xy, batch_argnums=(1, 2), whole_argnums=2),
+            ValueError,
+            r"^whole_argnums names argument 2 \(`y`\), which batch_argnums=\(1, 2\) also "
+            r"names as a batch argument to split into examples; name it in one of them\.$",
+        ),
+        (
+            lambda: microbatch(_loss_xy, 1, 4, whole_argnums=1),
+            ValueError,
+            r"^whole_argnums names argument 1 \(`x`\), which argnums, argnames and in_axes "
+            r"also names as a batch argument",
+        ),
+        (
+            lambda: micro_grad(_loss_xy, whole_argnums=5),
+            ValueError,
+            r"^whole_argnums contains 5, out of range for _loss_xy\(p, x, y\) with 3 "
+            r"positional parameter\(s\); use an index in \[-3, 3\)\.$",
+        ),
+        (
+            lambda: micro_grad(_loss_xy, whole_argnums="y"),
+            TypeError,
+            r"^whole_argnums must be an int or a sequence of ints, got whole_argnums='y'\.$",
+        ),
+    ],
+)
+def test_bad_whole_argnums(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
 
 
 def test_argnums_taken_for_batch_argnums_warns_and_says_which_is_which():
@@ -349,18 +449,19 @@ def test_argnums_taken_for_batch_argnums_warns_and_says_which_is_which():
     parameter whose axis 0 matches the batch (``argnums`` left at 0) is no sign of it."""
     y = random_array(1, (8,), jnp.float32)
     with pytest.warns(
-        UserWarning,
+        UnsplitBatchWarning,
         match=r"but `y` \(argument 2, which argnums=\(1, 2\) differentiates\) also has 8 "
         r"rows on axis 0 and is passed whole to every example\. If it holds one entry per "
         r"example, pass batch_argnums=\(1, 2\); if it is meant whole, pass batch_argnums=1 "
-        r"to say so\. argnums names the arguments to differentiate, batch_argnums those "
-        r"split into examples\.$",
+        r"or whole_argnums=2 to say so\. argnums names the arguments to differentiate, "
+        r"batch_argnums those split into examples\.$",
     ):
         micro_grad(_loss_xy, argnums=(1, 2), microbatch_size=4)(P, X, y)
     tall = random_array(2, (8, 3), jnp.float32)  # 8 rows, as the batch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         micro_grad(lambda p, x: jnp.sum(x @ p.T), microbatch_size=4)(tall, X)
+        micro_grad(lambda p, x: jnp.sum(x @ p.T), batch_argnums=1, microbatch_size=4)(tall, X)
 
 
 def test_a_warning_names_the_line_of_the_call_that_caused_it():

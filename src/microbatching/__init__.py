@@ -16,6 +16,7 @@ from ._per_example import l2_norm as l2_norm
 from ._plan import Plan as Plan
 from ._plan import PlanRow as PlanRow
 from ._plan import plan as plan
+from ._unsplit import UnsplitBatchWarning as UnsplitBatchWarning
 from ._vmap import micro_vmap as micro_vmap
 
 __version__ = "0.4.0"
@@ -29,6 +30,7 @@ __all__ = [
     "LeafRule",
     "Plan",
     "PlanRow",
+    "UnsplitBatchWarning",
     "clipping_report",
     "l2_norm",
     "micro_grad",

@@ -124,11 +124,11 @@ def _reduction(
 
     extremum = how in _layout.EXTREMA
 
-    def init(s: Any) -> Any:
+    def init(s: Any, path: str = "", several: bool = False) -> Any:
         if is_open(s):
             fill = _layout.identity(how, s.value.dtype) if extremum else 0
             return Open(_sharding.full(s.value, fill), s.dtype, s.merge)
-        _check_inexact(kind, s)
+        _check_inexact(kind, s, path, several)
         if extremum:  # exact in any dtype
             return _sharding.full(s, _layout.identity(how, s.dtype))
         wide = accumulation_dtype(s.dtype, requested)
@@ -153,7 +153,7 @@ def _reduction(
         return _layout.reduce_rows(x, how, wide, dtype, mesh_axes)
 
     return Accumulator(
-        init=lambda tree: jax.tree.map(init, tree, is_leaf=is_open),
+        init=lambda tree: _with_paths(init, tree),
         update=lambda carry, tree, i: jax.tree.map(
             lambda c, x: update(c, x, i), carry, tree, is_leaf=is_open
         ),
@@ -176,14 +176,33 @@ def _check_same_shape(how: str, carry: Any, x: Any) -> None:
         )
 
 
-def _check_inexact(kind: str | None, x: Any) -> None:
+def _with_paths(init: Callable[..., Any], tree: Any) -> Any:
+    """``init`` of each leaf of ``tree``, told the leaf's path in it and whether the tree
+    has several leaves (for ``_check_inexact``'s message)."""
+    several = len(jax.tree.leaves(tree, is_leaf=is_open)) > 1
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: init(s, jax.tree_util.keystr(path), several), tree, is_leaf=is_open
+    )
+
+
+def _check_inexact(kind: str | None, x: Any, path: str = "", several: bool = False) -> None:
     """Means of integers or booleans would change the result's type: refuse them."""
     if kind is not None and not jnp.issubdtype(x.dtype, jnp.inexact):
-        raise ValueError(
-            f"AccumulationType.{kind} needs floating-point results, but fun returned a leaf "
-            f"of dtype {x.dtype} and shape {x.shape}; cast it to a float dtype inside fun, "
-            "or accumulate it with AccumulationType.SUM."
+        where = f" at {path}" if path else ""
+        message = (
+            f"AccumulationType.{kind} needs floating-point results, but fun returned a leaf"
+            f"{where} of dtype {x.dtype} and shape {x.shape}; cast it to a float dtype inside "
+            "fun, or accumulate it with AccumulationType.SUM."
         )
+        if several:
+            message += (
+                f" fun returns several outputs, and one accumulator applies to all of them: "
+                f"give each its own, e.g. accumulator=(AccumulationType.{kind}, "
+                "AccumulationType.SUM) for a (loss, aux) pair. If that pair is a loss and "
+                "its auxiliary data, its gradient is jax.grad(..., has_aux=True) of the "
+                "microbatched function (without has_aux, jax.grad refuses a pair)."
+            )
+        raise ValueError(message)
 
 
 def sum_(requested: Any = None, mesh_axes: tuple[str, ...] | None = None) -> Accumulator:

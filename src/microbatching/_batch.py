@@ -91,7 +91,7 @@ def locate(
         label = binding.label(where)
         leaves += jax.tree.leaves(arg)
         labels += [label + path for path in leaf_paths(arg)]
-        axes += _axes_per_leaf(binding.spec(where), arg, label)
+        axes += axes_per_leaf(binding.spec(where), arg, label)
     if weights is not None:
         weights = _weights(weights, binding)
         leaves = [
@@ -325,12 +325,12 @@ def leaf_axes(
     out: list[tuple[str, int | None]] = []
     for where, arg in [*enumerate(args), *sorted(kwargs.items())]:
         label = binding.label(where)
-        axes = _axes_per_leaf(binding.spec(where), arg, label)
+        axes = axes_per_leaf(binding.spec(where), arg, label)
         out += [(label + path, axis) for path, axis in zip(leaf_paths(arg), axes, strict=True)]
     return out
 
 
-def _axes_per_leaf(spec: AxisSpec, arg: Any, label: str) -> list[int | None]:
+def axes_per_leaf(spec: AxisSpec, arg: Any, label: str) -> list[int | None]:
     """Broadcasts one argument's axis spec (a pytree prefix) to its leaves."""
     out: list[int | None] = []
     try:

@@ -22,12 +22,22 @@ from . import (
     _per_example,
     _sharding,
     _signature,
+    _unsplit,
     _vmap,
 )
 from ._accumulators import AccumulationType
 from ._inspect import ClippingReport
 from ._per_example import Aux, identity, no_metrics
-from ._typing import AccumulatorTree, ClipMethod, Count, GatherParams, P, PyTree, ReduceGradients
+from ._typing import (
+    AccumulatorTree,
+    ClipMethod,
+    Count,
+    Function,
+    GatherParams,
+    P,
+    PyTree,
+    ReduceGradients,
+)
 from ._wrap import Settings, wraps
 
 
@@ -56,6 +66,7 @@ def micro_grad(
     param_specs: Any = None,
     progress: bool = False,
     allow_remainder: bool = False,
+    whole_argnums: int | tuple[int, ...] = (),
 ) -> Callable[..., tuple[PyTree, Aux]]:
     """Computes per-example gradients, transforms them and accumulates them over the batch.
 
@@ -80,9 +91,11 @@ def micro_grad(
         parameter whether the call passes it by position or by keyword (``fn(p, x=x)``
         with ``batch_argnums=1`` splits ``x``; a parameter left out is passed whole to
         every example either way). Keyword arguments that name no positional
-        parameter are mapped along axis 0, as in ``jax.vmap``. Left at its default, a
-        warning names any other positional argument whose leading axis has the batch's
-        size (passed whole to every example); pass ``batch_argnums`` to silence it.
+        parameter are mapped along axis 0, as in ``jax.vmap``. A positional argument
+        that is neither split nor differentiated, but whose axis 0 has the batch's size,
+        gets an ``UnsplitBatchWarning`` (it is passed whole to every example, where a
+        forgotten label array would silently broadcast against every example's loss);
+        ``whole_argnums`` says that it is meant whole.
       keep_batch_dim: If True, ``fun`` sees each example as a batch of one (axis 0 of
         size 1); if False, without the batch axis. If True, ``fun`` is also traced once,
         abstractly, on a batch of 4099 rows, and a loss that applies a statistic over
@@ -178,6 +191,9 @@ def micro_grad(
         can be read takes precedence.
       progress: See ``microbatch``.
       allow_remainder: See ``micro_vmap``.
+      whole_argnums: Positions of arguments that are meant whole (passed to every
+        example as they are) although their axis 0 may have the batch's size: no
+        ``UnsplitBatchWarning`` for them.
 
     Returns:
       A function returning ``(accumulated transformed gradients, Aux)``; it takes
@@ -222,7 +238,7 @@ def micro_grad(
         _checks.ensure_bool("has_aux", has_aux),
         _checks.ensure_bool("keep_batch_dim", keep_batch_dim),
     )
-    transform = _checks.ensure_callable("transform_fn", transform_fn)
+    transform = _noted(_checks.ensure_callable("transform_fn", transform_fn))
     metrics = _checks.ensure_callable("metrics_fn", metrics_fn)
     accumulators = _accumulators.ensure_tree(accumulator)
     settings = Settings(
@@ -243,8 +259,55 @@ def micro_grad(
         example, clipping, transform, metrics, accumulators, method, settings, trade, specs
     )
     request.check()
-    calls = _Calls(request, _signature.UnsplitBatchWarning(axes, grad_nums, batch_argnums))
+    calls = _Calls(request, _unsplit_check(fun, axes, grad_nums, batch_argnums, whole_argnums))
     return wraps(fun, calls, axes, settings, weights=True, describe=calls.describe)
+
+
+TRANSFORM_NOTE = (
+    "(microbatching: transform_fn receives one example's gradient as a pytree shaped "
+    "like the differentiated arguments, e.g. a dict of parameters, not one array: apply "
+    "a per-array function with jax.tree.map, e.g. transform_fn=lambda g: (g, "
+    "jax.tree.map(jnp.square, g)).)"
+)
+
+
+def _noted(transform: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
+    """``transform`` that, where it raises a ``TypeError`` on a gradient that is not one
+    array (``g ** 2`` on a dict), says that it receives the gradient pytree."""
+    if transform is identity:
+        return transform
+
+    def call(grads: PyTree) -> PyTree:
+        try:
+            return transform(grads)
+        except TypeError as err:
+            whole = jax.tree_util.treedef_is_leaf(jax.tree.structure(grads))
+            if not whole and TRANSFORM_NOTE not in getattr(err, "__notes__", []):
+                err.add_note(TRANSFORM_NOTE)
+            raise
+
+    return call
+
+
+def _unsplit_check(
+    fun: Function, axes: Any, argnums: tuple[int, ...], batch_argnums: Any, whole_argnums: Any
+) -> _unsplit.Unsplit:
+    """The warning for an argument of the batch's size that no argument names. A
+    differentiated argument is looked at only where ``argnums`` also names the batch
+    (``argnums=(1, 2)`` with ``batch_argnums`` left at its default: ``argnums`` taken
+    for it); parameters whose axis 0 happens to match the batch are otherwise no sign
+    of a mix-up."""
+    whole = _unsplit.whole_positions(fun, whole_argnums, axes)
+    default = batch_argnums is _signature.DEFAULT_BATCH_ARGNUMS
+    mixed_up = default and 1 in argnums
+    given = argnums[0] if len(argnums) == 1 else argnums
+    return _unsplit.Unsplit(
+        axes,
+        (*whole, *(() if mixed_up else argnums)),
+        "1" if default else None,
+        {i: f"which argnums={given} differentiates" for i in argnums} if mixed_up else None,
+        "argnums names the arguments to differentiate, batch_argnums those split into examples.",
+    )
 
 
 CLIP_METHODS: tuple[str, ...] = typing.get_args(ClipMethod)
@@ -318,7 +381,7 @@ class _Calls:
         unvarying = example.unvarying(args, kwargs, weights)
         if unvarying is not None and request.per_example_reason is not None:
             raise unvarying.error(request.per_example_reason)
-        self.unsplit.check(args)
+        self.unsplit.check(args, kwargs)
         if weights is None and self._nan_safe:
             weights = _every_row(_per_example.find_batched(example.axes, args, kwargs))
         plan = self.plan(args, kwargs, weights)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _accumulators, _checks, _fused, _signature
+from . import _accumulators, _checks, _fused, _signature, _unsplit
 from ._accumulators import AccumulationType
 from ._loop import loop
 from ._typing import AccumulatorTree, Count, InAxes, P
@@ -26,6 +26,7 @@ def microbatch(
     progress: bool = False,
     allow_remainder: bool = False,
     fused_gradient: bool = False,
+    whole_argnums: int | tuple[int, ...] = (),
 ) -> Callable[P, Any]:
     """Runs ``fun`` on one microbatch at a time and combines the results.
 
@@ -78,6 +79,10 @@ def microbatch(
         may be differentiated, and only with respect to arguments without a batch axis
         (``fun`` may close over the parameters). Calls that are not differentiated run
         the plain loop.
+      whole_argnums: Positions of arguments meant whole (passed to every microbatch as
+        they are). Any other positional argument outside ``argnums`` and ``argnames``
+        whose axis 0 has the batch's size gets an ``UnsplitBatchWarning``, once: a
+        forgotten batch argument would be passed whole without any error.
 
     Returns:
       A function with ``fun``'s signature that returns the combined result.
@@ -112,7 +117,12 @@ def microbatch(
     if settings.size is None:
         return wraps(fun, fun, axes, settings)
     looped = loop(lambda weights, *args, **kwargs: fun(*args, **kwargs), axes, settings)
-    forward = lambda *args, **kwargs: looped(args, kwargs, None)  # noqa: E731
+    unsplit = _unsplit.Unsplit(axes, _unsplit.whole_positions(fun, whole_argnums, axes))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        unsplit.check(args, kwargs)
+        return looped(args, kwargs, None)
+
     if fused:
         forward = _fused.fused(fun, axes, settings, forward)
     return wraps(fun, forward, axes, settings)

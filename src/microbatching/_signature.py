@@ -263,7 +263,7 @@ def microbatch_axes(fun: Function, argnums: Any, argnames: Any, in_axes: Any) ->
     """``microbatch``'s batch arguments: ``argnums`` and ``argnames``, axes from ``in_axes``."""
     _checks.ensure_callable("fun", fun)
     name, sig = _checks.function_name(fun), Signature.of(fun)
-    nums = _argnums(_checks.ensure_index_tuple("argnums", argnums), sig, name, "argnums")
+    nums = checked_positions(_checks.ensure_index_tuple("argnums", argnums), sig, name, "argnums")
     names = _checks.ensure_name_tuple(argnames)
     if not nums and not names:
         raise ValueError("argnums and argnames are both empty; name at least one argument.")
@@ -335,7 +335,7 @@ def grad_axes(fun: Function, batch_argnums: Any) -> BatchAxes:
     nums = _checks.ensure_index_tuple("batch_argnums", batch_argnums)
     if not nums:
         raise ValueError("batch_argnums is empty; name at least one argument with a batch axis 0.")
-    nums = _argnums(nums, sig, name, "batch_argnums")
+    nums = checked_positions(nums, sig, name, "batch_argnums")
     _check_reserved(fun, sig, name, "micro_grad")
     return BatchAxes(
         "micro_grad",
@@ -363,50 +363,6 @@ DEFAULT_BATCH_ARGNUMS = _Default(1)
 """``micro_grad``'s default ``batch_argnums``: 1, and known to have been left unset."""
 
 
-class UnsplitBatchWarning:
-    """Warns, once per wrapped function, that ``batch_argnums`` left at its default
-    passes another argument of the batch's size whole to every example."""
-
-    def __init__(self, axes: BatchAxes, argnums: tuple[int, ...], given: Any) -> None:
-        self._axes, self._argnums = axes, argnums
-        self._given_argnums = argnums[0] if len(argnums) == 1 else argnums
-        self._pending = given is DEFAULT_BATCH_ARGNUMS
-
-    def check(self, args: tuple[Any, ...]) -> None:
-        if not self._pending or len(args) <= 1:
-            return
-        rows = {np.shape(x)[0] for x in jax.tree.leaves(args[1]) if np.ndim(x)}
-        if len(rows) != 1:
-            return
-        size = rows.pop()
-        # A differentiated argument is looked at only where argnums also names the batch
-        # (argnums=(1, 2): argnums taken for batch_argnums); parameters whose axis 0
-        # happens to match the batch are otherwise no sign of a mix-up.
-        mixed_up = 1 in self._argnums
-        for i, arg in enumerate(args):
-            if i == 1 or (i in self._argnums and not mixed_up):
-                continue
-            if any(np.ndim(x) and np.shape(x)[0] == size for x in jax.tree.leaves(arg)):
-                self._pending = False
-                label, name = self._axes.label(i), self._axes.fun_name
-                role = (
-                    f"which argnums={self._given_argnums} differentiates"
-                    if i in self._argnums
-                    else ""
-                )
-                _checks.warn(
-                    f"micro_grad({name}): batch_argnums was left at its default, 1, so only "
-                    f"`{self._axes.label(1)}` is split into examples, but `{label}` "
-                    f"(argument {i}{', ' + role if role else ''}) also has {size} rows on "
-                    f"axis 0 and is passed whole to every example. If it holds one entry "
-                    f"per example, pass batch_argnums=(1, {i}); if it is meant whole, pass "
-                    "batch_argnums=1 to say so."
-                    + (" argnums names the arguments to differentiate, batch_argnums those "
-                       "split into examples." if role else "")
-                )  # fmt: skip
-                return
-
-
 def _check_reserved(fun: Function, sig: Signature | None, name: str, transform: str) -> None:
     """``fun`` may not have a parameter named ``example_weights``: the keyword is ours.
 
@@ -432,11 +388,14 @@ def differentiated(fun: Function, argnums: Any) -> tuple[int, ...]:
             "the parameters, e.g. argnums=0."
         )
     sig = Signature.of(fun)
-    return _argnums(nums, sig, _checks.function_name(fun), "argnums")
+    return checked_positions(nums, sig, _checks.function_name(fun), "argnums")
 
 
-def _argnums(nums: tuple[int, ...], sig: Signature | None, name: str, what: str) -> tuple[int, ...]:
-    """Checks positions against the signature and makes negative ones non-negative."""
+def checked_positions(
+    nums: tuple[int, ...], sig: Signature | None, name: str, what: str
+) -> tuple[int, ...]:
+    """Positions ``nums`` given as ``what`` (``argnums``...) checked against ``fun``'s
+    signature ``sig``, negative ones made non-negative."""
     fixed = sig is not None and not sig.var_positional
     count = len(sig.positional) if sig is not None else 0
     out = []
