@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
 from . import _checks
 from ._typing import AxisSpec, Function

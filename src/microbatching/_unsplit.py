@@ -111,9 +111,7 @@ class Unsplit:
         label, name, what = axes.label(at), axes.fun_name, axes.required_by
         role = self._roles.get(at)
         named = sorted(axes.positions)
-        split = (
-            f"pass {what}={tuple(sorted({*named, at}))}" if named else f"add {at} to {what}"
-        )
+        split = f"pass {what}={tuple(sorted({*named, at}))}" if named else f"add {at} to {what}"
         if self._default is not None:
             head = (
                 f"{axes.transform}({name}): {what} was left at its default, "
