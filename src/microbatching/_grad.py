@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,10 +93,10 @@ def micro_grad(
         with ``batch_argnums=1`` splits ``x``; a parameter left out is passed whole to
         every example either way). Keyword arguments that name no positional
         parameter are mapped along axis 0, as in ``jax.vmap``. A positional argument
-        that is neither split nor differentiated, but whose axis 0 has the batch's size,
-        gets an ``UnsplitBatchWarning`` (it is passed whole to every example, where a
-        forgotten label array would silently broadcast against every example's loss);
-        ``whole_argnums`` says that it is meant whole.
+        that is neither split nor differentiated, but whose array leaves all have the
+        batch's size on axis 0, gets an ``UnsplitBatchWarning``: it is passed whole to
+        every example, where a forgotten label array would silently broadcast against
+        every example's loss. ``whole_argnums`` says that it is meant whole.
       keep_batch_dim: If True, ``fun`` sees each example as a batch of one (axis 0 of
         size 1); if False, without the batch axis. If True, ``fun`` is also traced once,
         abstractly, on a batch of 4099 rows, and a loss that applies a statistic over
@@ -277,6 +278,7 @@ def _noted(transform: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
     if transform is identity:
         return transform
 
+    @functools.wraps(transform)
     def call(grads: PyTree) -> PyTree:
         try:
             return transform(grads)

@@ -32,6 +32,7 @@ from . import (
     _ghost,
     _layout,
     _per_example,
+    _scaled,
     _statistics,
 )
 from ._inspect import ClippingReport, LeafRule, StatisticRule
@@ -343,6 +344,8 @@ class GradPlan:
       reading: For ``statistics``, the reading of ``transform_fn`` and ``metrics_fn``.
       predicted: The cost model's per-example flops of each method compared, by name
         (``ClippingReport.predicted``).
+      clipping: The clipping the step takes in place of the call's ``l2_clip_norm``: a
+        ``transform_fn`` read as a scaling by a function of the norms (``_scaled``).
     """
 
     method: Method
@@ -353,6 +356,7 @@ class GradPlan:
     layout: _fsdp.Layout | None = None
     reading: _statistics.Reading | None = None
     predicted: tuple[tuple[str, int], ...] = ()
+    clipping: _clipping.Clipping | None = None
 
     def report(self) -> ClippingReport:
         """The plan as ``clipping_report`` shows it."""
@@ -556,13 +560,47 @@ def _per_example_plan(
     if not request.reads_statistics:
         why = _ASKED if request.method == "materialize" else _per_example_why(request)
         return each(MATERIALIZE, "per-example", why)
+    scaled = _scaled_plan(request, args, kwargs, layout, sharded)
+    if isinstance(scaled, GradPlan):
+        return scaled
     found = _statistics_plan(request, args, kwargs, layout, sharded)
     if isinstance(found, Declined):
         if request.method == "statistics":
             raise ValueError(_NO_STATISTICS.format(reason=found.reason))
         why = f"{_per_example_why(request)}: {found.reason}"
+        if scaled is not None:
+            why += f"; and it is not the gradient scaled by a function of its norms: {scaled}"
         return each(MATERIALIZE, "per-example", why, False, found.predicted)
     return found
+
+
+def _scaled_plan(
+    request: GradRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: _fsdp.Layout | None,
+    sharded: bool,
+) -> GradPlan | str | None:
+    """Where ``transform_fn`` scales each example's gradient by a function of its norms
+    (``_scaled``), the plan of the same call with that scaling as its clipping and the
+    rest of the transform as its ``transform_fn``: ``l2_clip_norm``'s, with the user's
+    factors. Else why not (None: it reads no norm). ``auto`` only: a method asked for by
+    name keeps its meaning."""
+    if request.method != "auto":
+        return None
+    grads = _per_example.gradient_shapes(request.example, args)
+    scaled = _scaled.read(request.transform, grads)
+    if not isinstance(scaled, _scaled.Scaled):
+        return scaled
+    scaling = _scaled.Scaling.of(scaled, request.clipping, grads)
+    rest = _per_example.identity if scaled.plain else scaled.rest
+    inner = dataclasses.replace(request, clipping=scaling, transform=rest)
+    found = plan(inner, args, kwargs, layout, sharded)
+    if not found.summed:
+        return found.reason
+    return dataclasses.replace(
+        found, clipping=scaling, reason=f"transform_fn {scaled.described}; {found.reason}"
+    )
 
 
 class Declined(NamedTuple):
@@ -685,6 +723,8 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
     def per_microbatch(plan: GradPlan, weights: Any, *args: Any, **kwargs: Any) -> Any:
         step = plan.method.step
         here = sums if plan.reading is None else dataclasses.replace(sums, reading=plan.reading)
+        if plan.clipping is not None:
+            here = dataclasses.replace(here, clipping=plan.clipping)
         with jax.named_scope("micro_grad_step"):
             first = _per_example.first_batched(axes, args, kwargs)
             rows = first.shape[0]

@@ -87,10 +87,10 @@ OPAQUE = Facts()
 
 def _params_body(eqn: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     """The body of a call that holds it as ``jaxpr`` or ``call_jaxpr``."""
-    return _split(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
+    return split(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
 
 
-def _split(body: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
+def split(body: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     """``(jaxpr, consts)`` of a ``ClosedJaxpr`` or a ``Jaxpr`` without constants: the one
     place that tells them apart (jax 0.11 merges them)."""
     if isinstance(body, ClosedJaxpr):
@@ -108,13 +108,13 @@ def _jvp_rule(eqn: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     if not hasattr(rule, "call_wrapped"):
         return None
     jaxpr, consts, _ = rule.call_wrapped(*([False] * tangents))
-    return (jaxpr, tuple(consts)) if isinstance(jaxpr, Jaxpr) else _split(jaxpr)
+    return (jaxpr, tuple(consts)) if isinstance(jaxpr, Jaxpr) else split(jaxpr)
 
 
 def _hi_body(eqn: Any) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     """The body of a ``call_hi_primitive`` whose class the table inlines (a checkpoint
     under ``JAX_REMAT3``)."""
-    return _split(getattr(eqn.params.get("_prim"), "jaxpr", None))
+    return split(getattr(eqn.params.get("_prim"), "jaxpr", None))
 
 
 def _primitive(where: str) -> Any:

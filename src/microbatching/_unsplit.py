@@ -4,8 +4,11 @@
 every example: each example's loss then broadcasts against all the labels, and the
 gradient is wrong without any error. The check runs at each call, before the loop: a
 positional argument that is neither split, nor differentiated, nor declared whole
-(``whole_argnums``) and has a leaf whose axis 0 has the batch's size gets an
-``UnsplitBatchWarning`` naming it, once per wrapped function. ``micro_vmap`` takes no
+(``whole_argnums``), and whose array leaves all have the batch's size on axis 0, gets
+an ``UnsplitBatchWarning`` naming it, once per wrapped function. All of them: a pytree
+of frozen parameters with one table that happens to have as many rows as the batch (a
+vocabulary of 64 tokens, a batch of 64) is no sign of a forgotten batch argument, a
+label array or a dict of per-example fields is. ``micro_vmap`` takes no
 part: its ``in_axes`` names every positional argument, and ``None`` there already says
 "whole".
 """
@@ -77,8 +80,8 @@ class Unsplit:
             at = axes.position(where)
             if at is None or at in axes.positions or at in self._exempt:
                 continue
-            leaves = jax.tree.leaves(arg)
-            if any(np.ndim(x) and np.shape(x)[0] == size for x in leaves):
+            arrays = [x for x in jax.tree.leaves(arg) if np.ndim(x)]
+            if arrays and all(np.shape(x)[0] == size for x in arrays):
                 self._pending = False
                 _checks.warn(self._message(at, size), UnsplitBatchWarning)
                 return
@@ -90,7 +93,7 @@ class Unsplit:
         sizes = set()
         for where, arg in [*enumerate(args), *kwargs.items()]:
             at = axes.position(where)
-            if at in axes.positions:
+            if at is not None and at in axes.positions:
                 spec = axes.positions[at]
             elif isinstance(where, str) and where in axes.names:
                 spec = axes.names[where]

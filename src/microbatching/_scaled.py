@@ -1,0 +1,613 @@
+"""A ``transform_fn`` that scales each example's gradient by a function of its norms.
+
+Clipping as people write it (``g * min(1, C / ||g||)``, ``optax.clip_by_global_norm``,
+``g / (||g|| + eps)``, a bound per layer) multiplies every gradient leaf by a number that
+depends on the gradient only through squared norms: of the whole gradient, of one leaf,
+of a group of leaves. Such a transform is ``T(g) = R(s(q) * g)``: ``q`` the example's
+squared norms per leaf, ``s`` the user's own code on them (one factor per leaf), ``R``
+the rest of the transform, applied to the scaled gradient. ``micro_grad`` then takes the
+norms from the ghost engine (or whatever ``l2_clip_norm`` would use), runs ``s`` on them
+per example, and sums the scaled gradients as it sums clipped ones; ``R`` is read by the
+statistics method (``(clip(g), clip(g)**2)``) or is the identity.
+
+The reading follows the transform's traced program (``read``), value by value:
+
+- ``grad``: a gradient leaf as given; ``square``: its entries squared (``g * g``,
+  ``g**2``, ``square``, ``abs`` first), partly summed; their sum over every axis is that
+  leaf's squared norm, the program's only way into ``s``.
+- ``uniform``: one number per example, whatever its shape (a scalar, or one broadcast):
+  the squared norms, literals and scalars closed over, and what elementwise operations
+  (or any operation on scalars alone) compute from them. Each is a node of a DAG keyed
+  by what it computes, so that the same factor written twice is one factor.
+- ``scaled``: a gradient leaf times a uniform value (``mul``, ``div`` by one, ``neg``,
+  ``select_n`` between scaled values of one leaf or a 0, sums of them).
+
+Anything else that reads the gradient belongs to ``R``, which may read each leaf only
+through its one scaled value (the last one the program forms; two different factors for
+one leaf are not this form). ``s`` runs by binding the user's own primitives to the
+norms, one example at a time: any spelling of the scalar function works, and derivatives
+through it are JAX's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.extend.core import Literal as JaxprLiteral
+
+from . import _clipping, _primitives
+from ._signature import leaf_paths
+from ._typing import PyTree
+
+Key = tuple[Any, ...]
+"""A node of the factor DAG: ``("sq", leaf, dtype)``, ``("lit", value, dtype)``,
+``("ref", id)`` (a scalar closed over), ``("op", name, params, inputs, index)``."""
+
+
+def _one(dtype: str) -> Key:
+    return ("lit", 1.0, dtype)
+
+
+def _is_one(key: Key) -> bool:
+    return key[0] == "lit" and key[1] == 1.0
+
+
+class _Ref:
+    """One value of the flattened program (calls inlined), by identity."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval: Any) -> None:
+        self.aval = aval
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eqn:
+    eqn: Any
+    ins: tuple[_Ref, ...]
+    outs: tuple[_Ref, ...]
+
+
+def _flatten(closed: Any, given: Sequence[_Ref]) -> tuple[list[_Eqn], list[_Ref], dict[_Ref, Any]]:
+    """The program's equations with calls inlined, its outputs, and the values of its
+    constants and literals."""
+    eqns: list[_Eqn] = []
+    known: dict[_Ref, Any] = {}
+
+    def walk(jaxpr: Any, consts: Sequence[Any], args: Sequence[_Ref]) -> list[_Ref]:
+        env: dict[Any, _Ref] = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = ref = _Ref(v.aval)
+            known[ref] = c
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(v: Any) -> _Ref:
+            if isinstance(v, JaxprLiteral):
+                ref = _Ref(v.aval)
+                known[ref] = v.val
+                return ref
+            return env[v]
+
+        for e in jaxpr.eqns:
+            ins = [read(v) for v in e.invars]
+            body = _primitives.body(e)
+            if body is not None:
+                env.update(zip(e.outvars, walk(*body, ins), strict=True))
+                continue
+            outs = [_Ref(v.aval) for v in e.outvars]
+            env.update(zip(e.outvars, outs, strict=True))
+            eqns.append(_Eqn(e, tuple(ins), tuple(outs)))
+        return [read(v) for v in jaxpr.outvars]
+
+    program = _primitives.split(closed)
+    if program is None:
+        raise TypeError(f"not a traced program: {closed!r}")
+    outs = walk(*program, given)
+    return eqns, outs, known
+
+
+# --- what the reading knows of each value -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _V:
+    """A value as read: ``kind`` one of ``const`` (no gradient; ``key`` where uniform),
+    ``grad``, ``flat`` (a leaf reshaped: read only for its norm), ``abs``, ``square``,
+    ``uniform``, ``scaled`` (``leaf`` times the factor ``key``), ``other``."""
+
+    kind: str
+    leaf: int = -1
+    key: Key | None = None
+    drops: bool = False
+
+
+_CONST = _V("const")
+_OTHER = _V("other")
+_SAME = {"copy", "copy_p", "optimization_barrier"}
+_SHAPE = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev"}
+_SQUARES = {"square"}
+
+
+def _scalar_shape(ref: _Ref) -> bool:
+    return tuple(getattr(ref.aval, "shape", (None,))) == ()
+
+
+def _dtype(ref: _Ref) -> str:
+    return str(getattr(ref.aval, "dtype", ""))
+
+
+def _params_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
+class _Reader:
+    """One pass over the flattened program: each value's ``_V``, the factor DAG, and
+    why the transform is not of the form where it is not."""
+
+    def __init__(self, known: dict[_Ref, Any]) -> None:
+        self.known = known
+        self.nodes: dict[Key, tuple[Any, dict[str, Any], tuple[Key, ...], int]] = {}
+        self.values: dict[Key, Any] = {}
+        self.uses_norms = False
+
+    def const(self, ref: _Ref) -> _V:
+        """A constant: uniform where it is a scalar (literal or closed over)."""
+        value = self.known[ref]
+        if np.shape(value) != ():
+            return _CONST
+        if isinstance(value, Tracer) or not np.issubdtype(np.asarray(value).dtype, np.number):
+            key: Key = ("ref", id(value))
+            self.values[key] = value
+            return _V("const", key=key)
+        return _V("const", key=("lit", float(np.asarray(value)), _dtype(ref)))
+
+    def op(self, e: Any, ins: list[Key], index: int = 0) -> Key:
+        key = ("op", e.primitive.name, _params_key(e.params), tuple(ins), index)
+        self.nodes.setdefault(key, (e.primitive, dict(e.params), tuple(ins), index))
+        return key
+
+    def literal(self, key: Key | None) -> float | None:
+        """The value of a constant uniform key made of literals alone, else None."""
+        if key is None:
+            return None
+        if key[0] == "lit":
+            return key[1]
+        if key[0] != "op" or not _constant(key):
+            return None
+        # Inside an enclosing trace (``plan`` reads abstractly), literals stay concrete.
+        with jax.ensure_compile_time_eval():
+            found = evaluate(self, key, {})
+        return None if isinstance(found, Tracer) else float(np.asarray(found))
+
+    def step(self, q: _Eqn, ins: list[_V]) -> list[_V]:
+        e, name, facts = q.eqn, q.eqn.primitive.name, _primitives.facts(q.eqn)
+        n_out = len(q.outs)
+        keys = _keys(ins)
+        scalars = all(_scalar_shape(r) for r in (*q.ins, *q.outs))
+        # A uniform value's operation: elementwise, or on scalars alone.
+        computes = keys is not None and (scalars or (facts.elementwise and n_out == 1))
+        moves = keys is not None and name in _SHAPE | _SAME and n_out == 1
+        kind = "const" if all(v.kind == "const" for v in ins) else "uniform"
+        if all(v.kind in ("const", "uniform") for v in ins):
+            if keys is not None and moves:
+                return [_V(kind, key=keys[0])]
+            if keys is not None and computes:
+                return [_V(kind, key=self.op(e, keys, i)) for i in range(n_out)]
+            return [_CONST if kind == "const" else _OTHER] * n_out
+        if n_out != 1:
+            return [_OTHER] * n_out
+        out = q.outs[0]
+        kinds = [v.kind for v in ins]
+        # The squared norms.
+        if name in _SAME and kinds[0] in ("grad", "flat", "abs", "square", "scaled"):
+            return [ins[0]]
+        if name == "reshape" and kinds == ["grad"]:
+            return [_V("flat", ins[0].leaf)]
+        if name == "abs" and kinds[0] in ("grad", "flat"):
+            return [_V("abs", ins[0].leaf)]
+        squared = (
+            (name in _SQUARES and kinds[0] in ("grad", "flat", "abs"))
+            or (
+                name == "integer_pow"
+                and e.params.get("y") == 2
+                and kinds[0] in ("grad", "flat", "abs")
+            )
+            or (name == "mul" and q.ins[0] is q.ins[1] and kinds[0] in ("grad", "flat", "abs"))
+        )
+        if squared:
+            return [_V("square", ins[0].leaf)]
+        if name == "dot_general" and q.ins[0] is q.ins[1] and kinds[0] in ("grad", "flat"):
+            (contract, _), (batch, _) = e.params["dimension_numbers"]
+            if not batch and len(contract) == len(q.ins[0].aval.shape):
+                self.uses_norms = True
+                return [_V("uniform", key=("sq", ins[0].leaf, _dtype(out)))]
+            return [_OTHER]
+        if name in ("add", "add_any") and "square" in kinds:
+            other = ins[1 - kinds.index("square")]
+            if other.kind == "square" and other.leaf == ins[kinds.index("square")].leaf:
+                return [ins[0]]
+            if other.kind == "const" and self.literal(other.key) == 0:
+                return [ins[kinds.index("square")]]
+            return [_OTHER]
+        if name == "reduce_sum" and kinds == ["square"]:
+            if len(e.params["axes"]) == len(q.ins[0].aval.shape):
+                self.uses_norms = True
+                return [_V("uniform", key=("sq", ins[0].leaf, _dtype(out)))]
+            return [ins[0]]
+        # Scaled leaves.
+        return [self._scaled(q, name, ins, kinds, out)]
+
+    def _scaled(self, q: _Eqn, name: str, ins: list[_V], kinds: list[str], out: _Ref) -> _V:
+        def factor(v: _V) -> Key:
+            """The factor of a scaled (or given) leaf."""
+            return v.key if v.kind == "scaled" and v.key is not None else _one(_dtype(out))
+
+        leaf_shaped = [
+            v.kind in ("grad", "scaled") and tuple(r.aval.shape) == tuple(out.aval.shape)
+            for v, r in zip(ins, q.ins, strict=True)
+        ]
+        same_dtype = all(
+            _dtype(r) == _dtype(out) for r, ok in zip(q.ins, leaf_shaped, strict=True) if ok
+        )
+        if not same_dtype:
+            return _OTHER
+        if name == "mul" and sorted(kinds) in (
+            ["grad", "uniform"],
+            ["const", "grad"],
+            ["scaled", "uniform"],
+            ["const", "scaled"],
+        ):
+            g = 0 if kinds[0] in ("grad", "scaled") else 1
+            u = ins[1 - g]
+            if u.key is None or not leaf_shaped[g]:
+                return _OTHER
+            f = factor(ins[g])
+            return _V("scaled", ins[g].leaf, self._mul(f, u.key), ins[g].drops)
+        if name == "div" and kinds[0] in ("grad", "scaled") and kinds[1] in ("uniform", "const"):
+            if ins[1].key is None or not leaf_shaped[0]:
+                return _OTHER
+            f = factor(ins[0])
+            key = self.op(q.eqn, [f, ins[1].key])
+            return _V("scaled", ins[0].leaf, key, ins[0].drops)
+        if name == "neg" and kinds[0] in ("grad", "scaled") and leaf_shaped[0]:
+            return _V("scaled", ins[0].leaf, self.op(q.eqn, [factor(ins[0])]), ins[0].drops)
+        if name in ("add", "sub", "add_any") and all(k in ("grad", "scaled") for k in kinds):
+            if ins[0].leaf == ins[1].leaf and all(leaf_shaped):
+                keys = [factor(v) for v in ins]
+                drops = any(v.drops for v in ins)
+                return _V("scaled", ins[0].leaf, self.op(q.eqn, keys), drops)
+            return _OTHER
+        if name == "select_n" and ins[0].key is not None and kinds[0] in ("uniform", "const"):
+            cases = ins[1:]
+            leaves = {v.leaf for v in cases if v.kind in ("grad", "scaled")}
+            if len(leaves) != 1:
+                return _OTHER
+            keys: list[Key] = []
+            drops = False
+            for v, r in zip(cases, q.ins[1:], strict=True):
+                if v.kind in ("grad", "scaled") and tuple(r.aval.shape) == tuple(out.aval.shape):
+                    keys.append(factor(v))
+                    drops = drops or v.drops
+                elif v.kind == "const" and self.literal(v.key) == 0:
+                    keys.append(("lit", 0.0, _dtype(out)))
+                    drops = True
+                else:
+                    return _OTHER
+            pred = ins[0].key
+            return _V("scaled", leaves.pop(), self.op(q.eqn, [pred, *keys]), drops)
+        if name == "convert_element_type" and kinds[0] in ("grad", "scaled"):
+            return ins[0] if _dtype(q.ins[0]) == _dtype(out) else _OTHER
+        return _OTHER
+
+    def _mul(self, f: Key, u: Key) -> Key:
+        if _is_one(f):
+            return u
+        key = ("op", "mul", (), (f, u), 0)
+        self.nodes.setdefault(key, (jax.lax.mul_p, {}, (f, u), 0))
+        return key
+
+
+def _keys(values: Sequence[_V]) -> list[Key] | None:
+    """The keys of ``values`` where every one is uniform, else None."""
+    keys = [v.key for v in values]
+    return None if any(k is None for k in keys) else keys  # type: ignore[return-value]
+
+
+def _constant(key: Key) -> bool:
+    """Whether ``key`` reads no squared norm (made of literals and scalars closed over)."""
+    if key[0] == "sq":
+        return False
+    if key[0] == "op":
+        return all(_constant(k) for k in key[3])
+    return True
+
+
+def bind(primitive: Any, params: dict[str, Any], args: Sequence[Any]) -> Any:
+    """``primitive`` applied to ``args`` as ``jax.core.eval_jaxpr`` applies an equation
+    (``get_bind_params`` gives ``(subfuns, params)`` before jax 0.10, ``params`` since)."""
+    found = primitive.get_bind_params(params)
+    subfuns, kept = found if isinstance(found, tuple) else ((), found)
+    return primitive.bind(*subfuns, *args, **kept)
+
+
+def evaluate(reader: _Reader, key: Key, inputs: dict[Key, Any]) -> Any:
+    """The value of ``key`` where each squared norm is ``inputs[("sq", leaf, dtype)]``
+    (as one example's scalar), by binding the program's own primitives to scalars."""
+    memo: dict[Key, Any] = {}
+
+    def value(k: Key) -> Any:
+        if k in memo:
+            return memo[k]
+        if k[0] == "lit":
+            out = jnp.asarray(k[1], k[2]) if k[2] else k[1]
+        elif k[0] == "ref":
+            out = reader.values[k]
+        elif k[0] == "sq":
+            out = inputs[k]
+        else:
+            primitive, params, ins, index = reader.nodes[k]
+            args = [value(i) for i in ins]
+            if primitive is jax.lax.mul_p and not params:  # a product of two factors
+                out = args[0] * args[1]
+            else:
+                found = bind(primitive, params, args)
+                out = found[index] if primitive.multiple_results else found
+        memo[k] = out
+        return out
+
+    return value(key)
+
+
+# --- the reading -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A transform read as ``R(s(q) * g)``.
+
+    Attributes:
+      factors: The factor of each gradient leaf (1 for a leaf used as given).
+      groups: The group of each leaf: leaves with the same factor share one.
+      keys: Each group's factor.
+      drops: Whether a factor selects 0 (``where(..., g * c, 0)``): an example whose
+        factor is 0 then contributes exactly 0, as the transform gives it.
+      plain: Whether ``R`` is the identity (the output is the scaled gradient, leaf by
+        leaf): the sum is ``l2_clip_norm``'s, with these factors.
+      rest: ``R``, a function of the scaled gradient's pytree.
+      described: The factors in words, for ``clipping_report``.
+    """
+
+    reader: _Reader
+    factors: tuple[Key, ...]
+    groups: tuple[int, ...]
+    keys: tuple[Key, ...]
+    dtypes: tuple[Any, ...]
+    drops: bool
+    plain: bool
+    rest: Callable[[PyTree], PyTree]
+    described: str
+
+    def evaluate(self, squares: jax.Array) -> jax.Array:
+        """``(rows, groups)``: each example's factor per group, from its squared norms per
+        leaf ``(rows, leaves)``."""
+
+        def one(row: jax.Array) -> list[jax.Array]:
+            inputs = {}
+            for node in self.reader.nodes.values():
+                for k in node[2]:
+                    if k[0] == "sq":
+                        inputs[k] = row[k[1]].astype(k[2])
+            for k in self.keys:
+                if k[0] == "sq":
+                    inputs[k] = row[k[1]].astype(k[2])
+            out = []
+            for k in self.keys:
+                value = evaluate(self.reader, k, inputs)
+                out.append(jnp.asarray(value).astype(squares.dtype))
+            return out
+
+        columns = jax.vmap(one)(squares)
+        return jnp.stack([jnp.broadcast_to(c, (squares.shape[0],)) for c in columns], axis=1)
+
+
+def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str | None:
+    """The reading of ``transform`` at one example's gradient ``grads`` (shapes) as a
+    function of the scaled gradient; None where it scales nothing (no factor reads a
+    norm: the statistics method reads it as it is), or why it is not of that form."""
+    leaves, structure = jax.tree.flatten(grads)
+    closed, shape = jax.make_jaxpr(transform, return_shape=True)(grads)
+    given = [_Ref(v.aval) for v in closed.jaxpr.invars]
+    eqns, outs, known = _flatten(closed, given)
+    reader = _Reader(known)
+    value: dict[_Ref, _V] = {ref: _V("grad", i) for i, ref in enumerate(given)}
+    uses: dict[_Ref, list[_V]] = {}
+    why = None
+
+    def of(ref: _Ref) -> _V:
+        if ref in value:
+            return value[ref]
+        value[ref] = v = reader.const(ref)
+        return v
+
+    for q in eqns:
+        ins = [of(r) for r in q.ins]
+        found = reader.step(q, ins)
+        for r, v in zip(q.outs, found, strict=True):
+            value[r] = v
+        for r in q.ins:
+            uses.setdefault(r, []).extend(found)
+        if why is None and any(v.kind == "other" for v in found):
+            reads = [v for v in ins if v.kind in ("grad", "flat", "abs", "square")]
+            if reads:
+                why = f"it reads gradient leaf {reads[0].leaf} through `{q.eqn.primitive.name}`"
+    if not reader.uses_norms:
+        return None
+    # The scaled value of each leaf that the rest reads first: the cut.
+    outset = {id(r) for r in outs}
+    order = {id(r): n for n, q in enumerate(eqns) for r in q.outs}
+    cut: dict[int, _Ref] = {}
+    for ref, v in value.items():
+        if v.kind not in ("grad", "scaled"):
+            continue
+        later = uses.get(ref, [])
+        rest_reads = id(ref) in outset or any(
+            u.kind not in ("scaled", "square", "flat", "abs", "uniform") for u in later
+        )
+        first = cut.get(v.leaf)
+        if rest_reads and (first is None or order.get(id(ref), -1) < order.get(id(first), -1)):
+            cut[v.leaf] = ref
+    factors: list[Key] = [_one(str(g.dtype)) for g in leaves]
+    for leaf, ref in cut.items():
+        if value[ref].kind == "scaled":
+            factors[leaf] = value[ref].key  # type: ignore[assignment]
+    drops = any(value[ref].drops for ref in cut.values())
+    if all(_is_one(f) for f in factors):
+        return why or "no gradient leaf is scaled by a function of its norms"
+    # The rest: what the outputs compute from the cut and constants alone.
+    available = set(cut.values())
+    rest_eqns = []
+    for q in eqns:
+        if all(r in available or value.get(r, _CONST).kind == "const" for r in q.ins):
+            if not all(value[r].kind == "const" for r in q.outs):
+                rest_eqns.append(q)
+            available.update(q.outs)
+    for path, ref in zip(leaf_paths(shape), outs, strict=True):
+        if ref not in available and value.get(ref, _CONST).kind != "const":
+            return (
+                f"its output{' ' + path if path else ''} reads the gradient other than "
+                f"through one scaled value per leaf{': ' + why if why else ''}"
+            )
+    keys: list[Key] = []
+    groups = []
+    for f in factors:
+        if f not in keys:
+            keys.append(f)
+        groups.append(keys.index(f))
+    out_structure = jax.tree.structure(shape)
+    plain = (
+        out_structure == structure
+        and len(outs) == len(leaves)
+        and all(cut.get(i) is r for i, r in enumerate(outs))
+    )
+    cuts = dict(cut)
+
+    def rest(scaled: PyTree) -> PyTree:
+        env: dict[_Ref, Any] = {}
+        for leaf, h in enumerate(jax.tree.leaves(scaled)):
+            if leaf in cuts:
+                env[cuts[leaf]] = h
+
+        def get(r: _Ref) -> Any:
+            return env[r] if r in env else known[r]
+
+        for q in rest_eqns:
+            if any(r in env for r in q.outs):
+                continue
+            e = q.eqn
+            found = bind(e.primitive, e.params, [get(r) for r in q.ins])
+            found = found if e.primitive.multiple_results else [found]
+            env.update(zip(q.outs, found, strict=True))
+        return jax.tree.unflatten(jax.tree.structure(shape), [get(r) for r in outs])
+
+    scaled_leaves = sum(not _is_one(f) for f in factors)
+    described = (
+        f"scaled by a function of the norms: {scaled_leaves} of {len(leaves)} leaves, "
+        f"{len({f for f in factors if not _is_one(f)})} factor(s)"
+    )
+    dtypes = tuple(g.dtype for g in leaves)
+    return Scaled(
+        reader, tuple(factors), tuple(groups), tuple(keys), dtypes, drops, plain, rest, described
+    )
+
+
+# --- the clipping it gives ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling(_clipping.Clipping):
+    """``l2_clip_norm``'s clipping with the factors of a ``Scaled`` transform: each
+    example's factor per group of leaves, from its norms per leaf. After ``prior`` (the
+    call's own ``l2_clip_norm``, if any), which the transform sees applied."""
+
+    scaled: Scaled | None = None
+    prior: _clipping.Clipping | None = None
+    prior_groups: tuple[int, ...] = ()
+    prior_bounds: tuple[Any, ...] = ()
+    pairs: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, scaled: Scaled, prior: _clipping.Clipping | None, grads: PyTree) -> Scaling:
+        if prior is None:
+            pgroups, pbounds = [0] * len(scaled.groups), []
+        else:
+            pgroups, pbounds = prior.groups(grads)
+        pairs = []
+        for p, s in zip(pgroups, scaled.groups, strict=True):
+            if (p, s) not in pairs:
+                pairs.append((p, s))
+        nan_safe = scaled.drops or (prior is not None and prior.nan_safe)
+        return cls(
+            bound=1.0 if prior is None else prior.bound,
+            nan_safe=nan_safe,
+            scaled=scaled,
+            prior=prior,
+            prior_groups=tuple(pgroups),
+            prior_bounds=tuple(pbounds),
+            pairs=tuple(pairs),
+        )
+
+    def groups(self, grads: PyTree) -> tuple[list[int], list[Any]]:
+        assert self.scaled is not None
+        return [
+            self.pairs.index((p, s))
+            for p, s in zip(self.prior_groups, self.scaled.groups, strict=True)
+        ], list(self.pairs)
+
+    def factors(self, norms: jax.Array, groups: list[int], bounds: list[Any]) -> jax.Array:
+        assert self.scaled is not None
+        rows = norms.shape[0]
+        if self.prior is not None:
+            before = self.prior.factors(norms, list(self.prior_groups), list(self.prior_bounds))
+            per_leaf = (
+                jnp.stack([before[:, g] for g in self.prior_groups], axis=1)
+                if self.prior_groups
+                else jnp.ones((rows, 0), norms.dtype)
+            )
+            seen = norms * per_leaf.astype(norms.dtype)
+        else:
+            before, seen = None, norms
+        mine = self.scaled.evaluate(jnp.square(seen))
+        columns = []
+        for p, s in self.pairs:
+            column = mine[:, s]
+            if before is not None:
+                column = column * before[:, p].astype(column.dtype)
+            columns.append(column)
+        scale = jnp.stack(columns, axis=1) if columns else jnp.ones((rows, 0), norms.dtype)
+        if self.nan_safe and self.prior is not None and self.prior.nan_safe:
+            finite = jnp.all(jnp.isfinite(norms), axis=1, keepdims=True)
+            scale = jnp.where(finite, scale, jnp.zeros((), scale.dtype))
+        return scale
+
+    def per_leaf(self, norms: jax.Array, grads: PyTree) -> list[jax.Array]:
+        groups, bounds = self.groups(grads)
+        scale = self.factors(norms, groups, bounds)
+        return [scale[:, g] for g in groups]
+
+    def clip(self, grads: PyTree) -> PyTree:
+        leaves, structure = jax.tree.flatten(grads)
+        norms = _clipping.leaf_norms(jax.tree.map(lambda g: jnp.asarray(g)[None], grads), 1, False)
+        scales = self.per_leaf(norms, grads)
+        scaled = [g * s[0].astype(g.dtype) for g, s in zip(leaves, scales, strict=True)]
+        if self.nan_safe:
+            scaled = [
+                jnp.where(s[0] != 0, c, jnp.zeros((), c.dtype))
+                for c, s in zip(scaled, scales, strict=True)
+            ]
+        return jax.tree.unflatten(structure, scaled)
