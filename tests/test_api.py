@@ -20,6 +20,7 @@ def test_all_is_the_public_surface():
     assert set(microbatching.__all__) == SPEC_NAMES | {
         "Aux",
         "BatchStatisticsWarning",
+        "UnsplitBatchWarning",
         "Plan",
         "PlanRow",
         "plan",
@@ -57,6 +58,7 @@ def test_signatures_follow_the_spec():
         ("progress", p.KEYWORD_ONLY, False),
         ("allow_remainder", p.KEYWORD_ONLY, False),  # issue 8
         ("fused_gradient", p.KEYWORD_ONLY, False),  # issue 16
+        ("whole_argnums", p.KEYWORD_ONLY, ()),  # issue 51
     ]
     vmap_params = _parameters(mb.micro_vmap)
     assert [n for n, *_ in vmap_params] == [
@@ -96,6 +98,7 @@ def test_signatures_follow_the_spec():
         "param_specs",  # issue 23
         "progress",
         "allow_remainder",
+        "whole_argnums",
     ]
     extra = {"accumulation_dtype", "batch_mesh_axes", "l2_clip_norm"}
     for fun in (mb.microbatch, mb.micro_vmap, mb.micro_grad):

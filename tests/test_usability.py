@@ -11,7 +11,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import microbatching
-from microbatching import AccumulationType, micro_grad, micro_vmap, microbatch
+from microbatching import (
+    AccumulationType,
+    UnsplitBatchWarning,
+    micro_grad,
+    micro_vmap,
+    microbatch,
+)
 
 from .strategies import SIN_W, SIN_X, assert_close, random_array, sin_loss
 
@@ -259,7 +265,10 @@ def test_an_error_beside_an_argument_of_the_batch_size_passed_whole_names_it():
     def loss(w, x, y):
         return jnp.mean((x @ w - y) ** 2)
 
-    with pytest.raises(TypeError, match="incompatible shapes for broadcasting") as info:
+    with (
+        pytest.raises(TypeError, match="incompatible shapes for broadcasting") as info,
+        pytest.warns(UnsplitBatchWarning, match="`y` \\(argument 2\\) has 64 rows on axis 0"),
+    ):
         jax.jit(microbatch(loss, argnums=1, microbatch_size=16))(w, x, y)
     assert (
         info.value.__notes__.count(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -278,7 +277,6 @@ def _noted(transform: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
     if transform is identity:
         return transform
 
-    @functools.wraps(transform)
     def call(grads: PyTree) -> PyTree:
         try:
             return transform(grads)
@@ -288,6 +286,8 @@ def _noted(transform: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
                 err.add_note(TRANSFORM_NOTE)
             raise
 
+    # Messages name the user's function (``_checks.function_name``), not this wrapper.
+    call.__name__ = call.__qualname__ = _checks.function_name(transform)
     return call
 
 

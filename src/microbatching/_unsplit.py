@@ -31,7 +31,23 @@ class UnsplitBatchWarning(UserWarning):
     batch's size: ``microbatch``'s ``argnums`` or ``micro_grad``'s ``batch_argnums`` does
     not name it. If it holds one entry per example, name it there; if it is meant whole
     (a lookup table that happens to have as many rows as the batch), pass its position in
-    ``whole_argnums`` to say so. The call runs either way."""
+    ``whole_argnums`` to say so. The call runs either way.
+
+    >>> import warnings
+    >>> import jax.numpy as jnp
+    >>> import microbatching
+    >>> def loss(w, x, y):
+    ...     return jnp.sum((x @ w - y) ** 2)
+    >>> w, x, y = jnp.ones(2), jnp.ones((4, 2)), jnp.zeros(4)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = microbatching.micro_grad(loss, batch_argnums=1, microbatch_size=2)(w, x, y)
+    >>> caught[0].category.__name__
+    'UnsplitBatchWarning'
+    >>> grads, _ = microbatching.micro_grad(loss, batch_argnums=(1, 2), microbatch_size=2)(w, x, y)
+    >>> grads
+    Array([16., 16.], dtype=float32)
+    """
 
 
 def whole_positions(fun: Function, whole_argnums: Any, axes: BatchAxes) -> tuple[int, ...]:
