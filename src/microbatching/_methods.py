@@ -598,8 +598,12 @@ def _scaled_plan(
     found = plan(inner, args, kwargs, layout, sharded)
     if not found.summed:
         return found.reason
+    # The rest may itself scale what it is given (``c / ||c||`` of a clipped ``c``):
+    # its plan then holds that scaling, composed with this one.
     return dataclasses.replace(
-        found, clipping=scaling, reason=f"transform_fn {scaled.described}; {found.reason}"
+        found,
+        clipping=found.clipping or scaling,
+        reason=f"transform_fn {scaled.described}; {found.reason}",
     )
 
 

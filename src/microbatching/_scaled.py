@@ -451,24 +451,33 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
     # The scaled value of each leaf that the rest reads first: the cut.
     outset = {id(r) for r in outs}
     order = {id(r): n for n, q in enumerate(eqns) for r in q.outs}
-    cut: dict[int, _Ref] = {}
+    candidates: dict[int, list[_Ref]] = {}
     for ref, v in value.items():
         if v.kind not in ("grad", "scaled"):
             continue
         later = uses.get(ref, [])
-        rest_reads = id(ref) in outset or any(
+        if id(ref) in outset or any(
             u.kind not in ("scaled", "square", "flat", "abs", "uniform") for u in later
-        )
-        first = cut.get(v.leaf)
-        if rest_reads and (first is None or order.get(id(ref), -1) < order.get(id(first), -1)):
-            cut[v.leaf] = ref
+        ):
+            candidates.setdefault(v.leaf, []).append(ref)
+    cut = {leaf: min(refs, key=lambda r: order.get(id(r), -1)) for leaf, refs in candidates.items()}
     factors: list[Key] = [_one(str(g.dtype)) for g in leaves]
     for leaf, ref in cut.items():
         if value[ref].kind == "scaled":
             factors[leaf] = value[ref].key  # type: ignore[assignment]
     drops = any(value[ref].drops for ref in cut.values())
+
+    def twice() -> str | None:
+        """Why a leaf's reads do not come from one scaled value, where that is why."""
+        for leaf, refs in sorted(candidates.items()):
+            if len({value[r].kind for r in refs}) > 1:
+                return f"gradient leaf {leaf} is read both as given and scaled"
+            if len({value[r].key for r in refs}) > 1:
+                return f"gradient leaf {leaf} is read scaled by different factors"
+        return None
+
     if all(_is_one(f) for f in factors):
-        return why or "no gradient leaf is scaled by a function of its norms"
+        return twice() or why or "no gradient leaf is scaled by a function of its norms"
     # The rest: what the outputs compute from the cut and constants alone.
     available = set(cut.values())
     rest_eqns = []
@@ -479,10 +488,8 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
             available.update(q.outs)
     for path, ref in zip(leaf_paths(shape), outs, strict=True):
         if ref not in available and value.get(ref, _CONST).kind != "const":
-            return (
-                f"its output{' ' + path if path else ''} reads the gradient other than "
-                f"through one scaled value per leaf{': ' + why if why else ''}"
-            )
+            reason = twice() or why or "it reads the gradient other than through its norms"
+            return f"its output{' ' + path if path else ''} needs more than the scaled gradient: {reason}"
     keys: list[Key] = []
     groups = []
     for f in factors:

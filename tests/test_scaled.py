@@ -1,0 +1,371 @@
+"""A ``transform_fn`` that scales each example's gradient by a function of its norms (the
+API reference's clipping, ``optax.clip_by_global_norm``, per-layer bounds, normalisation)
+takes ``l2_clip_norm``'s path with the user's factors: each form against
+``jax.vmap(jax.grad(loss))`` followed by the same transform and the sum or mean."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import microbatching
+from microbatching import AccumulationType, micro_grad
+
+from .strategies import assert_close
+from .test_ghost import MICROBATCH, Model, mlp, norms, per_example_grads
+from .test_statistics import MODELS, reference
+
+MEAN, SUM = AccumulationType.MEAN, AccumulationType.SUM
+C = 2.0
+SCALED = "transform_fn scaled by a function of the norms"
+
+
+def global_norm(g: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
+
+
+def clip(g: Any) -> Any:
+    """The API reference's clipping, as people write it."""
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, C / global_norm(g)), g)
+
+
+def unit(g: Any) -> Any:
+    """jax-privacy's ``clip_pytree`` with ``rescale_to_unit_norm``: clipped, then divided
+    by the bound."""
+    n = optax.tree.norm(g)
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, C / n) / C, g)
+
+
+def normalised(g: Any) -> Any:
+    """fastDP's automatic clipping: ``g / (||g|| + 0.01)``."""
+    n = global_norm(g)
+    return jax.tree.map(lambda x: x / (n + 0.01), g)
+
+
+def per_layer(g: Any) -> Any:
+    """Each leaf to ``C / sqrt(#leaves)``, with ``jnp.linalg.norm``."""
+    leaves = jax.tree.leaves(g)
+    bound = C / len(leaves) ** 0.5
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, bound / jnp.linalg.norm(x)), g)
+
+
+def guarded(g: Any) -> Any:
+    """``nan_safe``-style: an example whose norm is not finite contributes 0."""
+    n = global_norm(g)
+    ok = jnp.isfinite(n)
+    return jax.tree.map(lambda x: jnp.where(ok, x * jnp.minimum(1.0, C / n), 0.0), g)
+
+
+def by_relu(g: Any) -> Any:
+    """A ``custom_jvp`` (``relu``) in the scalar function: ``min(1, C / n)`` spelled
+    ``1 - relu(1 - C / n)``."""
+    n = global_norm(g)
+    return jax.tree.map(lambda x: x * (1.0 - jax.nn.relu(1.0 - C / n)), g)
+
+
+FORMS = {
+    "min": clip,
+    "optax": lambda g: optax.clip_by_global_norm(C).update(g, None)[0],
+    "unit": unit,
+    "normalised": normalised,
+    "per_layer": per_layer,
+    "guarded": guarded,
+    "relu": by_relu,
+}
+
+
+def grad_fn(model: Model, transform: Any, **options: Any) -> Any:
+    options = {"microbatch_size": MICROBATCH, "accumulator": MEAN, **options}
+    return micro_grad(
+        model.loss,
+        batch_argnums=tuple(range(1, 1 + len(model.batch))),
+        keep_batch_dim=model.keep_batch_dim,
+        transform_fn=transform,
+        **options,
+    )
+
+
+@pytest.fixture(scope="module")
+def small() -> Model:
+    return mlp()
+
+
+@pytest.fixture(scope="module")
+def small_grads(small: Model) -> Any:
+    return per_example_grads(small)
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_every_form_is_read_and_equals_vmap_grad(name, small, small_grads):
+    transform = FORMS[name]
+    fn = grad_fn(small, transform)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.reason.startswith(SCALED), report.reason
+    assert report.method in ("ghost", "materialize"), report
+    got, _ = jax.jit(fn)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, transform), terms=2, factor=4)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_every_model_family(family):
+    """Dense, convolution, embedding, tied (shared) embedding, attention and scanned
+    leaves; the global bound and the per-layer one."""
+    model = MODELS[family]()
+    grads = per_example_grads(model)
+    for transform in (clip, per_layer):
+        fn = grad_fn(model, transform)
+        report = microbatching.clipping_report(fn, model.params, *model.batch)
+        assert report.reason.startswith(SCALED), (family, report.reason)
+        got, _ = jax.jit(fn)(model.params, *model.batch)
+        assert_close(got, reference(grads, transform), terms=2, factor=4)
+
+
+def test_the_report_counts_the_leaves_and_factors(small):
+    report = microbatching.clipping_report(grad_fn(small, per_layer), small.params, *small.batch)
+    assert report.reason.startswith(f"{SCALED}: 4 of 4 leaves, 4 factor(s); "), report.reason
+    report = microbatching.clipping_report(grad_fn(small, clip), small.params, *small.batch)
+    assert report.reason.startswith(f"{SCALED}: 4 of 4 leaves, 1 factor(s); "), report.reason
+
+
+def test_the_ghost_path_is_taken_where_auto_takes_it_for_l2_clip_norm(small):
+    """The same choice as ``l2_clip_norm`` with the same model: one decision."""
+    batch = small.batch
+    bound = micro_grad(small.loss, batch_argnums=(1, 2), microbatch_size=MICROBATCH,
+                       l2_clip_norm=C)  # fmt: skip
+    want = microbatching.clipping_report(bound, small.params, *batch).method
+    got = microbatching.clipping_report(grad_fn(small, clip), small.params, *batch).method
+    assert got == want
+
+
+def test_weights_remainders_and_sum(small, small_grads):
+    rows = small.batch[0].shape[0]
+    weights = jnp.asarray(np.arange(rows) % 3, jnp.float32)
+    fn = grad_fn(small, clip, accumulator=SUM, microbatch_size=3, allow_remainder=True)
+    got, _ = jax.jit(fn)(small.params, *small.batch, example_weights=weights)
+    want = reference(small_grads, clip, weights=weights, mean=False)
+    assert_close(got, want, terms=3, factor=4)
+
+
+def test_an_example_whose_gradient_is_not_finite_is_dropped_by_the_guard(small):
+    x, y = small.batch
+    x = x.at[3].set(jnp.inf)
+    grads = per_example_grads(dataclass_with_batch(small, (x, y)))
+    fn = grad_fn(small, guarded, accumulator=SUM)
+    report = microbatching.clipping_report(fn, small.params, x, y)
+    assert report.reason.startswith(SCALED), report.reason
+    got, _ = jax.jit(fn)(small.params, x, y)
+    want = reference(grads, guarded, mean=False)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(got))
+    assert_close(got, want, terms=2, factor=4)
+
+
+def dataclass_with_batch(model: Model, batch: tuple[Any, ...]) -> Model:
+    return Model(model.loss, model.params, batch, model.keep_batch_dim, model.rules)
+
+
+def test_derivatives_through_the_result_are_jax_s(small, small_grads):
+    """Reverse, forward and mixed: the factors are the user's code on the norms."""
+    fn = grad_fn(small, clip, accumulator=SUM)
+
+    def ours(params):
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(fn(params, *small.batch)[0]))
+
+    def theirs(params):
+        grads = per_example_grads(small, params)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(reference(grads, clip, mean=False)))
+
+    assert_close(jax.grad(ours)(small.params), jax.grad(theirs)(small.params), terms=8, factor=8)
+    tangent = jax.tree.map(jnp.ones_like, small.params)
+    _, got = jax.jvp(ours, (small.params,), (tangent,))
+    _, want = jax.jvp(theirs, (small.params,), (tangent,))
+    assert_close(got, want, terms=8, factor=8)
+
+
+def test_clipped_statistics_of_the_api_reference(small, small_grads):
+    """``(clip(g), clip(g)**2)``: the scaling, then the statistics method reads the rest."""
+
+    def moments(g: Any) -> Any:
+        c = clip(g)
+        return c, jax.tree.map(jnp.square, c)
+
+    fn = grad_fn(small, moments)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.method == "statistics", report
+    assert report.reason.startswith(SCALED), report.reason
+    got, _ = jax.jit(fn)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, moments), terms=2, factor=4)
+
+
+def test_beside_l2_clip_norm_and_metrics(small, small_grads):
+    """``l2_clip_norm`` first, then the transform's own scaling of the clipped gradient;
+    the norms and a metric that needs the gradients, as the per-example path gives them."""
+    fn = grad_fn(small, normalised, accumulator=SUM, l2_clip_norm=1.5,
+                 metrics_fn=optax.tree.norm)  # fmt: skip
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.reason.startswith(SCALED), report.reason
+    got, aux = jax.jit(fn)(small.params, *small.batch)
+    want = reference(small_grads, normalised, clip=1.5, mean=False)
+    assert_close(got, want, terms=2, factor=4)
+    assert_close(aux.metrics, norms(small_grads), terms=2)
+    fn = grad_fn(small, clip, metrics_fn=microbatching.l2_norm)
+    got, aux = jax.jit(fn)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, clip), terms=2, factor=4)
+    assert_close(aux.metrics, norms(small_grads), terms=2)
+
+
+def test_one_leaf_scaled_by_another_leaf_s_norm(small, small_grads):
+    """Still the form: each leaf's factor reads any squared norms."""
+
+    def cross(g: Any) -> Any:
+        n = jnp.linalg.norm(g["dense2"]["kernel"])
+        return jax.tree.map(lambda x: x / (1.0 + n), g)
+
+    fn = grad_fn(small, cross)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.reason.startswith(SCALED), report.reason
+    got, _ = jax.jit(fn)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, cross), terms=2, factor=4)
+
+
+def _l1(g: Any) -> Any:
+    n = sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(g))
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, C / n), g)
+
+
+def _by_max(g: Any) -> Any:
+    return jax.tree.map(lambda x: x / (jnp.max(jnp.abs(x)) + 1.0), g)
+
+
+def _partial_norms(g: Any) -> Any:
+    return jax.tree.map(lambda x: x / (1.0 + jnp.sum(x * x, axis=0, keepdims=True)), g)
+
+
+def _entry(g: Any) -> Any:
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, C / (jnp.abs(jnp.ravel(x)[0]) + 1)), g)
+
+
+def _both(g: Any) -> Any:
+    return g, clip(g)
+
+
+def _renormalised(g: Any) -> Any:
+    c = clip(g)
+    return jax.tree.map(lambda x: x / (global_norm(c) + 1.0), c)
+
+
+def _cubed(g: Any) -> Any:
+    n = sum(jnp.sum(x**3) for x in jax.tree.leaves(g))
+    return jax.tree.map(lambda x: x / (1.0 + jnp.abs(n)), g)
+
+
+def _elementwise_factor(g: Any) -> Any:
+    return jax.tree.map(lambda x: x * jnp.minimum(1.0, C / (jnp.abs(x) + global_norm(g))), g)
+
+
+NEAR_MISSES = {
+    "l1 norm": _l1,
+    "max": _by_max,
+    "partial norms": _partial_norms,
+    "an entry": _entry,
+    "as given and clipped": _both,
+    "renormalised": _renormalised,
+    "cubes": _cubed,
+    "elementwise factor": _elementwise_factor,
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_transforms_that_nearly_fit_take_an_exact_path(name, small, small_grads):
+    """Transforms that read the gradient other than through squared norms, or read a
+    leaf both as given and scaled: not read as scaled (or, renormalised, scaled and
+    then read by the rest), and exact whatever path they take."""
+    transform = NEAR_MISSES[name]
+    fn = grad_fn(small, transform)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    if name != "renormalised":
+        assert not report.reason.startswith(SCALED), report.reason
+    got, _ = jax.jit(fn)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, transform), terms=2, factor=8)
+
+
+def test_the_report_says_why_a_clipping_lookalike_forms_the_gradients(small):
+    report = microbatching.clipping_report(grad_fn(small, _both), small.params, *small.batch)
+    assert report.method == "materialize"
+    assert report.reason.endswith(
+        "and it is not the gradient scaled by a function of its norms: gradient leaf 0 is "
+        "read both as given and scaled"
+    ), report.reason
+
+
+def test_a_clip_method_asked_by_name_keeps_its_meaning(small):
+    """``clip_method='materialize'`` with a clipping transform: per-example gradients."""
+    fn = grad_fn(small, clip, clip_method="materialize")
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.method == "materialize" and not report.reason.startswith(SCALED)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_on_a_mesh(axis_type, small):
+    """The batch split over 4 devices: the same sum as ``vmap(grad)``."""
+    x, y = (jnp.concatenate([a] * 4) for a in small.batch)
+    model = dataclass_with_batch(small, (x, y))
+    grads = per_example_grads(model)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(axis_type,))
+    options = {"batch_mesh_axes": "data"} if axis_type is AxisType.Auto else {}
+    fn = grad_fn(model, clip, accumulator=SUM, microbatch_size=8, **options)
+    with jax.set_mesh(mesh):
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        got, _ = jax.jit(fn)(model.params, xs, ys)
+    assert_close(got, reference(grads, clip, mean=False), terms=8, factor=4)
+
+
+_SCALARS = {
+    "min": lambda n, c: jnp.minimum(1.0, c / n),
+    "where": lambda n, c: jnp.where(n > c, c / n, 1.0),
+    "rsqrt": lambda n, c: jnp.minimum(1.0, c * jax.lax.rsqrt(n * n)),
+    "eps": lambda n, c: c / (n + 1e-3),
+    "clip": lambda n, c: jnp.clip(c / n, 0.0, 1.0),
+    "smooth": lambda n, c: jnp.tanh(c / n),
+}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    scalar=st.sampled_from(list(_SCALARS)),
+    bound=st.floats(0.05, 20.0),
+    per_leaf=st.booleans(),
+    weighted=st.booleans(),
+    microbatch_size=st.sampled_from([2, 3, 8]),
+)
+def test_any_scalar_function_of_the_norms(scalar, bound, per_leaf, weighted, microbatch_size):
+    """Drawn spellings of the factor (``where``, ``rsqrt``, ``clip``, ``tanh``...), one
+    for the whole gradient or one per leaf, with weights and remainders."""
+    model = _SMALL
+    f = _SCALARS[scalar]
+
+    def transform(g: Any) -> Any:
+        if per_leaf:
+            return jax.tree.map(lambda x: x * f(jnp.sqrt(jnp.sum(x**2)), bound), g)
+        n = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
+        return jax.tree.map(lambda x: x * f(n, bound), g)
+
+    rows = model.batch[0].shape[0]
+    weights = jnp.asarray((np.arange(rows) * 7) % 4, jnp.float32) if weighted else None
+    fn = grad_fn(model, transform, accumulator=SUM, microbatch_size=microbatch_size,
+                 allow_remainder=True)  # fmt: skip
+    report = microbatching.clipping_report(fn, model.params, *model.batch)
+    assert report.reason.startswith(SCALED), report.reason
+    got, _ = fn(model.params, *model.batch, example_weights=weights)
+    want = reference(_SMALL_GRADS, transform, weights=weights, mean=False)
+    assert_close(got, want, terms=4, factor=8)
+
+
+_SMALL = mlp()
+_SMALL_GRADS = per_example_grads(_SMALL)
