@@ -489,7 +489,8 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
     for path, ref in zip(leaf_paths(shape), outs, strict=True):
         if ref not in available and value.get(ref, _CONST).kind != "const":
             reason = twice() or why or "it reads the gradient other than through its norms"
-            return f"its output{' ' + path if path else ''} needs more than the scaled gradient: {reason}"
+            where = f" {path}" if path else ""
+            return f"its output{where} needs more than the scaled gradient: {reason}"
     keys: list[Key] = []
     groups = []
     for f in factors:
