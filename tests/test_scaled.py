@@ -72,7 +72,7 @@ def by_relu(g: Any) -> Any:
 
 FORMS = {
     "min": clip,
-    "optax": lambda g: optax.clip_by_global_norm(C).update(g, None)[0],
+    "optax": lambda g: optax.clip_by_global_norm(C).update(g, optax.EmptyState())[0],
     "unit": unit,
     "normalised": normalised,
     "per_layer": per_layer,
