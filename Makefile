@@ -49,7 +49,7 @@ ENGINE_TESTS = tests/test_primitive_table.py tests/test_ghost.py tests/test_stat
 	tests/test_weights.py tests/test_gradients.py tests/test_exact.py tests/test_norm_numerics.py
 FUTURE_FLAGS := JAX_CUSTOM_VJP3=1 JAX_REMAT3=1
 
-.PHONY: test test-x64 demo bench lint format clean docs serve dist
+.PHONY: test test-x64 demo bench bench-device lint format clean docs serve dist
 
 $(STAMP): pyproject.toml
 	@echo "Creating $(VENV) and installing the package with its extras (first run: a few minutes)..."
@@ -125,6 +125,11 @@ dist: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/dp_sgd_digits.py
+
+# On a machine with an accelerator (at most 8 minutes): the clipping forms and each
+# workload at microbatch 64, into benchmarks/device/CLIPPING.md.
+bench-device: $(STAMP)
+	$(BIN)/python benchmarks/clipping.py --device
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/matrix.py

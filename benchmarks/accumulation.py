@@ -369,9 +369,11 @@ def report(
     results: Path,
     parts: Parts,
     timed: Callable[[int], int] = lambda reps: reps,
+    flags: Sequence[str] = (),
 ) -> None:
     """Runs ``parts(quick, reps)`` in order, prints each table and writes them to ``results``;
-    ``timed(reps)``: how many repetitions the parts time, as the header states."""
+    ``timed(reps)``: how many repetitions the parts time, as the header states; ``flags``:
+    options the script read itself, recorded in the stamp's command."""
     parser = argparse.ArgumentParser(description=title)
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 reps, prints only")
     parser.add_argument("--reps", type=int, help="timed repetitions (default 21, quick 3)")
@@ -379,7 +381,7 @@ def report(
     options = parser.parse_args(argv)
     quick = options.quick
     reps = options.reps or (3 if quick else 21)
-    stamp = _provenance.stamp(script, argv)
+    stamp = _provenance.stamp(script, [*argv, *flags])
     start = time.perf_counter()
     sections = [
         f"# {title}: measured",
@@ -393,6 +395,7 @@ def report(
     sections += ["", f"Total time {time.perf_counter() - start:.0f} s."]
     output = options.output or (None if quick else results)
     if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
         _provenance.write(output, "\n".join(sections) + "\n", stamp)
         print(f"Wrote {output}.")
 

@@ -16,7 +16,13 @@ repetitions in one process (medians of per-repetition ratios, with quartiles), a
 ``accumulation.py``. A way whose first call (the warm-up) takes over ``LIMIT_S`` seconds is
 not timed. Every clipped sum is checked against ``vmap(grad)``.
 
-Usage: ``python benchmarks/clipping.py [--quick] [--reps N] [--output PATH]``.
+A last part times the clipping as people write it in ``transform_fn`` (``FORMS``) against
+``l2_clip_norm`` (issue 50). ``--device`` (``make bench-device``) runs the forms and each
+workload at microbatch 64 only, every repetition timed, into ``device/CLIPPING.md``: a
+run that fits a few minutes on an accelerator. Its figures describe the commit and the
+device they were taken on (the header says which); ``make bench`` does not rewrite them.
+
+Usage: ``python benchmarks/clipping.py [--quick] [--device] [--reps N] [--output PATH]``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from accumulation import (  # benchmarks/ is on sys.path when run as a script
 import microbatching as mb
 
 RESULTS = Path(__file__).resolve().parent / "CLIPPING.md"
+DEVICE_RESULTS = Path(__file__).resolve().parent / "device" / "CLIPPING.md"
+"""``make bench-device``'s results: the forms and one microbatch size, on an accelerator."""
 LIMIT_S = 3.0  # a way whose first call takes longer is not timed
 PLAIN, VMAP = "plain", "`vmap(grad)`"
 AUTO = "`l2_clip_norm`"
@@ -489,6 +497,90 @@ def workload_table(w: Workload, sizes: Sequence[int], reps: int) -> str:
     )
 
 
+# --- The API reference's clipping, as transform_fn -------------------------------------
+
+
+def _global(grads: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+
+
+def _optax_clip(grads: Any) -> Any:
+    assert optax is not None  # the forms table runs only where optax is importable
+    return optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]
+
+
+def _unit(grads: Any) -> Any:
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / _global(grads)) / 1.0, grads)
+
+
+def _normalised(grads: Any) -> Any:
+    norm = _global(grads)
+    return jax.tree.map(lambda g: g / (norm + 0.01), grads)
+
+
+def _per_layer(grads: Any) -> Any:
+    bound = 1.0 / len(jax.tree.leaves(grads)) ** 0.5
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, bound / jnp.linalg.norm(g)), grads)
+
+
+FORMS: dict[str, Callable[[Any], Any]] = {
+    "`g * min(1, C / ||g||)`": clip,
+    "`optax.clip_by_global_norm(C)`": _optax_clip,
+    "rescaled to unit norm": _unit,
+    "normalised, `g / (||g|| + 0.01)`": _normalised,
+    "per-layer, each leaf to `C / sqrt(#leaves)`": _per_layer,
+}
+"""The clipping forms people write as ``transform_fn`` (issue 50), bound ``C = 1``."""
+
+
+def forms_table(w: Workload, size: int, reps: int) -> str:
+    """Each form of ``FORMS`` as ``micro_grad``'s ``transform_fn`` against
+    ``l2_clip_norm=1.0`` on the same workload: the method each takes, temp memory, median
+    time and its ratio to ``l2_clip_norm``'s, every sum checked against ``vmap(grad)``
+    followed by the same transform."""
+    start = time.perf_counter()
+    examples = w.batch[0].shape[0]
+    options: dict[str, Any] = {"batch_argnums": w.batch_argnums, "microbatch_size": size}
+    fns = {AUTO: mb.micro_grad(w.loss, l2_clip_norm=1.0, **options)}
+    for name, form in FORMS.items():
+        fns[name] = mb.micro_grad(w.loss, transform_fn=form, **options)
+    per_example = jax.jit(
+        jax.vmap(
+            lambda p, *e: jax.grad(w.loss)(p, *(x[None] for x in e)),
+            in_axes=(None, *[0] * len(w.batch)),
+        )
+    )(*w.args)
+    warm: dict[str, Warm] = {}
+    methods: dict[str, str] = {}
+    errors: list[tuple[float, str]] = []
+    for name, fn in fns.items():
+        methods[name] = mb.clipping_report(fn, *w.args).method
+        warm[name] = warm_up(grads_only(fn), w.args)
+        form = FORMS.get(name, clip)
+        want = jax.tree.map(lambda g: jnp.sum(g, axis=0), jax.vmap(form)(per_example))
+        errors.append((relative_error(warm[name].output, want), name))
+    seconds = interleaved({name: x.compiled for name, x in warm.items()}, w.args, reps)
+    rows = [
+        f"| {name} | `{methods[name]}` | {x.temp_mib:.1f} | {ms(seconds[name])} | "
+        f"{ratio(seconds[name], seconds[AUTO])} |"
+        for name, x in warm.items()
+    ]
+    worst, where = max(errors)
+    return "\n".join(
+        [
+            f"**{w.name}**; batch {examples}, microbatch {size}, the clipping as "
+            f"`transform_fn` against `l2_clip_norm=1.0`; {reps} repetitions.",
+            "",
+            "| transform_fn | method | temp MiB | median ms | time / `l2_clip_norm` [quartiles] |",
+            "|---|---|---:|---:|---:|",
+            *rows,
+            "",
+            f"Largest relative difference from `vmap(grad)` and the same transform: "
+            f"{worst:.1e} ({where}). {time.perf_counter() - start:.0f} s for this table.",
+        ]
+    )
+
+
 def against_measured(predicted: dict[str, int], seconds: dict[str, list[float]], size: int) -> str:
     """At one microbatch size: the median time of each method the cost model compared
     (forced by ``clip_method``), and which was faster."""
@@ -544,11 +636,35 @@ def preamble(quick: bool) -> str:
     )
 
 
+def forms_parts(quick: bool, count: int) -> list[Callable[[], str]]:
+    """The forms tables (issue 50's setting: batch 512, microbatch 64)."""
+    if optax is None:
+        return [lambda: "The `transform_fn` forms: skipped (optax is not importable)."]
+    examples = 128 if quick else 512
+    head = (
+        "## The clipping as `transform_fn`\n\nThe API reference's own spelling of clipping "
+        "and four others, each as `transform_fn` (bound 1), against `l2_clip_norm=1.0`."
+    )
+    out: list[Callable[[], str]] = [lambda: head]
+    for make in (mlp_workload, cnn_workload):
+        out.append(lambda make=make: forms_table(make(examples), 64, count))
+    out.append(lambda: forms_table(tied_lm_workload(examples, 64), 64, count))
+    return out
+
+
 def main(argv: Sequence[str]) -> None:
+    device = "--device" in argv
+    argv = [a for a in argv if a != "--device"]
+
     def parts(quick: bool, reps: int) -> list[Callable[[], str]]:
         examples = 256 if quick else 1024
         sizes = [16, 64] if quick else [16, 64, 256]
         count = _timed(reps)
+        if device:  # make bench-device: the forms, and each workload at microbatch 64
+            out = [lambda: preamble(quick), *forms_parts(quick, reps)]
+            for make in (mlp_workload, cnn_workload, block_workload):
+                out.append(lambda make=make: workload_table(make(examples), [64], reps))
+            return out
         out: list[Callable[[], str]] = [lambda: preamble(quick)]
         for make in (mlp_workload, cnn_workload, block_workload):
             out.append(lambda make=make: workload_table(make(examples), sizes, count))
@@ -566,9 +682,13 @@ def main(argv: Sequence[str]) -> None:
             out.append(
                 lambda t=tokens, b=batch, m=size: workload_table(tied_lm_workload(b, t), [m], count)
             )
-        return out
+        return out + forms_parts(quick, count)
 
-    report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts, _timed)
+    if device:
+        title = "Clipped per-example gradients on the device"
+        report(argv, "clipping.py", title, DEVICE_RESULTS, parts, flags=["--device"])
+    else:
+        report(argv, "clipping.py", "Clipped per-example gradients", RESULTS, parts, _timed)
 
 
 def _timed(reps: int) -> int:

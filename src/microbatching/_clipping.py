@@ -58,7 +58,7 @@ def aligned(columns: list[jax.Array]) -> list[jax.Array]:
     (``_sharding.varying_like``): under ``jax.vmap`` over the shards of a batch on an
     Explicit mesh, a column that does not depend on the rows (the norm of a parameter
     the loss never reads) is unmapped, and JAX's batching rule for ``stack`` broadcasts
-    it without the mapped ones' sharding, which ``stack`` refuses (round 15)."""
+    it without the mapped ones' sharding, which ``stack`` refuses."""
     if len(columns) < 2:
         return columns
     rows = functools.reduce(jnp.logical_or, [jnp.isnan(c) for c in columns])
@@ -324,7 +324,7 @@ class Clipping:
         norms = norms if leaves else jnp.zeros((1, 0), jnp.float32)
         scales = self.per_leaf(norms, grads)
         clipped = [g * s[0].astype(g.dtype) for g, s in zip(leaves, scales, strict=True)]
-        if self.nan_safe:  # factor 0: dropped, its NaN selected away (else NaN, round 15)
+        if self.nan_safe:  # factor 0: dropped, its NaN selected away (else NaN)
             clipped = [
                 jnp.where(s[0] != 0, c, jnp.zeros((), c.dtype))
                 for c, s in zip(clipped, scales, strict=True)

@@ -297,7 +297,7 @@ def _unbounded_sites(program: Program) -> None:
     non-expanding (``w * 2**64``, ``w / ||w||``): there ``underflow_risk`` cannot
     bound what a cotangent lost to underflow moves the gradient by. Nor is a sum of two
     values that reach one leaf (``w + w``: its transpose gives the leaf the cotangent
-    twice; forty of them hid a gain of ``2**40``, round 9 of the hostile tests)."""
+    twice; forty of them would hide a gain of ``2**40``)."""
     amplified: set[int] = set()
     for e in program.eqns:
         if not all(program.free(a) for a in e.ins):
@@ -683,7 +683,7 @@ def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
     cotangents JAX's backward pass does not compute from the example (``record``).
     Where it does, a cotangent that comes out 0 (``tanh`` saturated by an infinite
     input) meets the data in JAX's product, and ``inf * 0`` makes that example's
-    gradient NaN, as it is here (round 13 of the hostile tests).
+    gradient NaN, as it is here.
 
     Its product is then 0, as it is where JAX's backward pass gives the site a symbolic
     zero (an output that reaches the loss only through an unused output of a ``sort``,
@@ -693,7 +693,7 @@ def _unreached_zeroed(inputs: list[Any], cotangents: list[Any]) -> list[Any]:
     another site's (``p / x``, a ``log`` in a ``scan`` body) may not be finite. And only
     entries that are not finite: a finite entry is kept, so that an outer derivative
     still sees the product's dependence on the data where the cotangent is 0 but its
-    derivative is not (round 8 of the hostile tests)."""
+    derivative is not."""
     if not cotangents:
         return inputs
     reached = functools.reduce(
@@ -1136,7 +1136,7 @@ def clipped_sum(
     the scaled cotangents (book-keeping). With ``clean``, rows of scale 0 contribute
     exactly 0 even where their data are not finite (weight-0 rows, ``nan_safe``), or
     where ``kept`` (``(rows,)``) is given, the rows it leaves out (weight-0 rows alone:
-    without ``nan_safe`` an infinite gradient times its factor 0 is NaN, round 16).
+    without ``nan_safe`` an infinite gradient times its factor 0 is NaN).
 
     Given each example's ``norms`` (``(rows, leaves)``), a microbatch where a scaled
     cotangent may have lost to underflow more than ``GRAM_TOLERANCE`` of an example's
@@ -1397,7 +1397,7 @@ def _cleaned(program: Program, k: int, values: Sequence[Any], keep: jax.Array) -
     """Site ``k``'s data ``values`` with each row not in ``keep`` replaced by a stand-in,
     whose cotangent is then 0: 0 at a bilinear site, where the product is 0 at data
     0. Elsewhere data 0 may be where the site is singular (``tanh(p / x)``, ``log(x)`` in
-    a scan body; round 10 of the hostile tests) and ``0 * inf`` would make the sum NaN:
+    a scan body) and ``0 * inf`` would make the sum NaN:
     the stand-in is the first kept row, or where the chunk keeps none the row's own data
     where it is finite, else 0 (``scaled_products`` then drops the chunk's sum)."""
     if facts(program.eqns[program.sites[k].eqn]).bilinear:

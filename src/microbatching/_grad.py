@@ -109,10 +109,15 @@ def micro_grad(
         (``g**2``, ``jnp.sign``, ``jnp.abs``) at a dense layer without a sequence is one
         product of the layer's activations and output cotangents, as the gradient's
         own; any other elementwise function of one leaf is that leaf's own per-example
-        gradients, a chunk of examples at a time. The model's per-example gradients
-        are then never formed; anything else forms them. ``clipping_report`` says which
-        form each output leaf takes, and ``clip_method="materialize"`` forms them
-        always.
+        gradients, a chunk of examples at a time. A ``transform_fn`` that scales each
+        leaf by a function of the gradient's squared norms (clipping as people write
+        it: ``g * min(1, C / ||g||)``, ``optax.clip_by_global_norm``, a bound per
+        layer, ``g / (||g|| + eps)``) takes ``l2_clip_norm``'s path, its factors the
+        user's own code run on each example's norms, and whatever it computes from the
+        scaled gradient (``(c, c**2)``) is read as above. The model's per-example
+        gradients are then never formed; anything else forms them. ``clipping_report``
+        says which form each output leaf takes, and ``clip_method="materialize"`` forms
+        them always.
       metrics_fn: Applied to each example's gradient before ``transform_fn``; returned
         per example in ``Aux.metrics``, so keep it small (a norm, a sign...). A
         ``metrics_fn`` linear in the gradient (a dot product with a reference

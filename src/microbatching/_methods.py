@@ -337,9 +337,6 @@ class GradPlan:
       leaves: How each parameter leaf's per-example norm is computed.
       summed: Whether the summed path runs (else ``per_example``: a ``transform_fn`` or
         a custom accumulator).
-      seedable: For ``plain`` only: whether the gradient of the summed loss scaled by
-        one factor per example is exactly the scaled sum of the per-example gradients
-        (``summed_is_exact`` with scaling), so that the mean's ``1 / rows`` may seed it.
       layout: The call's sharded layout (``_fsdp.layout``), or None.
       reading: For ``statistics``, the reading of ``transform_fn`` and ``metrics_fn``.
       predicted: The cost model's per-example flops of each method compared, by name
@@ -352,7 +349,6 @@ class GradPlan:
     reason: str
     leaves: tuple[LeafRule, ...]
     summed: bool = True
-    seedable: bool = False
     layout: _fsdp.Layout | None = None
     reading: _statistics.Reading | None = None
     predicted: tuple[tuple[str, int], ...] = ()
@@ -382,7 +378,9 @@ class GradPlan:
     def seeds(self, accumulators: Any, weighted: bool) -> bool:
         """Whether a step with ``accumulators`` seeds the backward pass with the mean's
         ``1 / rows``: a plain gradient that is exact, averaged by rows, without weights."""
-        plain = self.method is PLAIN and self.seedable and not weighted
+        # ``plain`` is planned only where the summed loss's gradient is exact, scaled
+        # by one factor per example or not (``_per_example.summed_differs``).
+        plain = self.method is PLAIN and not weighted
         return plain and _accumulators.averages_rows(accumulators)
 
 
@@ -430,14 +428,13 @@ def plan(
         method: Method,
         rule: str,
         why: str,
-        seedable: bool = False,
         predicted: tuple[tuple[str, int], ...] = (),
     ) -> GradPlan:
         leaves = tuple(
             LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
             for path, p in zip(paths, params, strict=True)
         )
-        return GradPlan(method, why, leaves, request.summed, seedable, layout, predicted=predicted)
+        return GradPlan(method, why, leaves, request.summed, layout, predicted=predicted)
 
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
@@ -464,7 +461,7 @@ def plan(
 
     if request.clipping is None and sums.metrics is None:  # auto or materialize (check)
         if asked != "materialize" and exact():
-            return each(PLAIN, "unused", "no clipping and no norms", True)
+            return each(PLAIN, "unused", "no clipping and no norms")
         why = _ASKED if asked == "materialize" else f"not one gradient per microbatch: {why_not()}"
         return each(MATERIALIZE, "per-example", why)
     if asked == "materialize":
@@ -570,7 +567,7 @@ def _per_example_plan(
         why = f"{_per_example_why(request)}: {found.reason}"
         if scaled is not None:
             why += f"; and it is not the gradient scaled by a function of its norms: {scaled}"
-        return each(MATERIALIZE, "per-example", why, False, found.predicted)
+        return each(MATERIALIZE, "per-example", why, found.predicted)
     return found
 
 

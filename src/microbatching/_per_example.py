@@ -384,8 +384,8 @@ def weighted_gradient(
     backward pass then runs at cotangents no smaller than the loss's own for that
     example, so that clip factors far below 1 do not push its cotangents below the
     dtype's smallest normal number, and no larger, so that weights far above 1 do not
-    lift a cotangent that the norms' pass flushed to 0 back into the sum (round 8 of
-    the hostile tests: an example entered at 7853 times its bound).
+    lift a cotangent that the norms' pass flushed to 0 back into the sum (an example
+    weighted 7853 times its bound would).
     """
     example = sums.example
     power = None
@@ -517,7 +517,7 @@ def _explicit(
         terms = g.astype(wide)
         # Selected, so that a NaN of a row that ``nan_safe`` drops (factor 0) or of a
         # weight-0 row cannot leak. Otherwise an infinite gradient times its factor 0 is
-        # NaN, as on the other methods (round 15: it was dropped here alone).
+        # NaN, as on the other methods.
         drop = scale == 0 if dropping else None
         if keep is not None:
             drop = ~keep if drop is None else drop | ~keep

@@ -124,7 +124,7 @@ def cond(
     what each branch closes over (the batch a loop body slices, the parameters, a jvp
     rule's tangents), hoisted by ``jax.closure_convert``. A select with zeros is linear,
     so it also guards values linear in a derivative's tangents (``_dropped``'s branch),
-    which ``stop_gradient`` could not: it has no transpose (round 15).
+    which ``stop_gradient`` could not: it has no transpose.
     Unmapped, those selects are on a constant True (``_mine``), which XLA folds away.
     """
     true_run, true_held = jax.closure_convert(true_fun, *operands)
@@ -148,9 +148,8 @@ def varying_like(x: Any, rows: Any) -> Any:
     Under ``jax.vmap`` over the shards of a batch on an Explicit mesh
     (``_per_example.by_shard``), a value that does not depend on the rows (a bias's
     site input) is unmapped, and JAX's batching rules broadcast it without the mapped
-    values' sharding: a gather of it at mapped indices cannot resolve its sharding
-    (round 15, finding 4). An elementwise sum takes the mapped operand's; XLA folds the
-    0 away."""
+    values' sharding: a gather of it at mapped indices cannot resolve its sharding. An
+    elementwise sum takes the mapped operand's; XLA folds the 0 away."""
     zero = jax.numpy.logical_and(rows, False)
     zero = jax.numpy.reshape(zero, zero.shape + (1,) * (jax.numpy.ndim(x) - 1))
     if jax.numpy.result_type(x) == jax.numpy.bool_:
@@ -167,7 +166,7 @@ def transposable_branches() -> Any:
     data (``data_cond``) go through ``cond``. That derivative is a jvp that ``jax.grad``
     transposes; under ``jax.vmap`` over the data JAX turns a ``lax.cond`` of a mapped
     predicate into a select whose untaken side passes through ``stop_gradient``, which
-    has no transpose (round 15, finding 5). Elsewhere they stay plain ``lax.cond``s: one
+    has no transpose. Elsewhere they stay plain ``lax.cond``s: one
     branch, nothing added to the program."""
     token = _TRANSPOSABLE.set(True)
     try:
@@ -184,7 +183,7 @@ def data_cond(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., 
         return cond(pred, true_fun, false_fun)
     # A predicate that varies over ``shard_map``'s axes stays a ``lax.cond``: ``cond``'s
     # guards would make what its branches hold vary where their programs, traced before,
-    # do not expect it (round 16).
+    # do not expect it.
     return jax.lax.cond(pred, true_fun, false_fun)
 
 

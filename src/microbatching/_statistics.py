@@ -25,7 +25,8 @@ leaves takes a **form**:
   and summed: memory of one leaf's per-example gradients, never the model's.
 
 Anything else (a function that mixes leaves non-linearly, reads a norm, sorts...) is not
-read, and the call takes the per-example path. ``metrics_fn`` is read the same way: each
+read, and the call takes the per-example path; a transform that scales the gradient by
+a function of its norms is read before, by ``_scaled``, and only its rest comes here. ``metrics_fn`` is read the same way: each
 output leaf linear in the gradient is ``<g_b, V>``, the sum over sites of the output
 cotangents against the site's product with the direction ``V`` (one more product per
 site, ``A V`` against ``G`` for a dense one).
@@ -512,7 +513,7 @@ class Rows:
         the sums then check their cotangents for underflow (``_ghost.clipped_sum``).
       drops: Whether a row of clip factor 0 is left out (``nan_safe``); otherwise its
         gradient times 0 enters, NaN where the gradient is infinite, as on every
-        method (round 16).
+        method.
       clipped: Whether ``scale`` holds clip factors; else it is ones.
     """
 
