@@ -396,7 +396,7 @@ def test_microbatch_warns_about_an_argument_its_argnums_leave_whole():
     with pytest.warns(
         UnsplitBatchWarning,
         match=r"^microbatch\(<lambda>\): `t` \(argument 1\) has 8 rows on axis 0, as the "
-        r"batch has, but it is not a batch argument \(argnums, argnames and in_axes\), so it "
+        r"batch has, but it is not a batch argument \(argnums=0\), so it "
         r"is passed whole to every example\. If it holds one entry per example, pass "
         r"argnums=\(0, 1\); if it is meant whole, pass whole_argnums=1 to say so\.$",
     ):

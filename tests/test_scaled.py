@@ -129,9 +129,12 @@ def test_every_model_family(family):
 
 def test_the_report_counts_the_leaves_and_factors(small):
     report = microbatching.clipping_report(grad_fn(small, per_layer), small.params, *small.batch)
-    assert report.reason.startswith(f"{SCALED}: 4 of 4 leaves, 4 factor(s); "), report.reason
+    assert report.reason.startswith(
+        f"{SCALED} (4 of 4 leaves, 4 factors): its code runs on each example's norms, and "
+        "the sum is l2_clip_norm's with those factors; "
+    ), report.reason
     report = microbatching.clipping_report(grad_fn(small, clip), small.params, *small.batch)
-    assert report.reason.startswith(f"{SCALED}: 4 of 4 leaves, 1 factor(s); "), report.reason
+    assert report.reason.startswith(f"{SCALED} (4 of 4 leaves, 1 factor): "), report.reason
 
 
 def test_the_ghost_path_is_taken_where_auto_takes_it_for_l2_clip_norm(small):

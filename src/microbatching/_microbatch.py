@@ -117,7 +117,10 @@ def microbatch(
     if settings.size is None:
         return wraps(fun, fun, axes, settings)
     looped = loop(lambda weights, *args, **kwargs: fun(*args, **kwargs), axes, settings)
-    unsplit = _unsplit.Unsplit(axes, _unsplit.whole_positions(fun, whole_argnums, axes))
+    named = f"argnums={argnums!r}" + (f", argnames={argnames!r}" if argnames else "")
+    unsplit = _unsplit.Unsplit(
+        axes, _unsplit.whole_positions(fun, whole_argnums, axes), named=named
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         unsplit.check(args, kwargs)

@@ -524,9 +524,11 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
         return jax.tree.unflatten(jax.tree.structure(shape), [get(r) for r in outs])
 
     scaled_leaves = sum(not _is_one(f) for f in factors)
+    distinct = len({f for f in factors if not _is_one(f)})
     described = (
-        f"scaled by a function of the norms: {scaled_leaves} of {len(leaves)} leaves, "
-        f"{len({f for f in factors if not _is_one(f)})} factor(s)"
+        f"scaled by a function of the norms ({scaled_leaves} of {len(leaves)} leaves, "
+        f"{distinct} factor{'s' if distinct > 1 else ''}): its code runs on each "
+        "example's norms, and the sum is l2_clip_norm's with those factors"
     )
     dtypes = tuple(g.dtype for g in leaves)
     return Scaled(

@@ -26,7 +26,8 @@ leaves takes a **form**:
 
 Anything else (a function that mixes leaves non-linearly, reads a norm, sorts...) is not
 read, and the call takes the per-example path; a transform that scales the gradient by
-a function of its norms is read before, by ``_scaled``, and only its rest comes here. ``metrics_fn`` is read the same way: each
+a function of its norms is read before, by ``_scaled``, and only its rest comes here.
+``metrics_fn`` is read the same way: each
 output leaf linear in the gradient is ``<g_b, V>``, the sum over sites of the output
 cotangents against the site's product with the direction ``V`` (one more product per
 site, ``A V`` against ``G`` for a dense one).

@@ -79,9 +79,11 @@ class Unsplit:
         default: str | None = None,
         roles: dict[int, str] | None = None,
         note: str = "",
+        named: str | None = None,
     ) -> None:
         self._axes, self._exempt, self._default = axes, frozenset(exempt), default
         self._roles, self._note = roles or {}, note
+        self._named = named or axes.set_by
         self._pending = True
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -143,7 +145,7 @@ class Unsplit:
             head = (
                 f"{axes.transform}({name}): `{label}` (argument {at}"
                 f"{', ' + role if role else ''}) has {size} rows on axis 0, as the batch "
-                f"has, but it is not a batch argument ({axes.set_by}), so it"
+                f"has, but it is not a batch argument ({self._named}), so it"
             )
             whole = f"pass whole_argnums={at} to say so"
         return (
