@@ -316,7 +316,8 @@ def test_a_clip_method_asked_by_name_keeps_its_meaning(small):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_on_a_mesh(axis_type, small):
-    """The batch split over 4 devices: the same sum as ``vmap(grad)``."""
+    """The batch split over 4 devices: the same sum as ``vmap(grad)``, by the
+    per-example path, which reduces across devices once per microbatch."""
     x, y = (jnp.concatenate([a] * 4) for a in small.batch)
     model = dataclass_with_batch(small, (x, y))
     grads = per_example_grads(model)
@@ -326,6 +327,11 @@ def test_on_a_mesh(axis_type, small):
     with jax.set_mesh(mesh):
         xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
         got, _ = jax.jit(fn)(model.params, xs, ys)
+        report = microbatching.clipping_report(fn, model.params, xs, ys)
+    assert report.method == "materialize"
+    assert report.reason.endswith(
+        "the batch is split over a mesh, where the per-example path is kept for now"
+    ), report.reason
     assert_close(got, reference(grads, clip, mean=False), terms=8, factor=4)
 
 

@@ -585,6 +585,10 @@ def _scaled_plan(
     name keeps its meaning."""
     if request.method != "auto":
         return None
+    if sharded or layout is not None:
+        # Exact either way; on a split batch the per-example path reduces the gradients
+        # across devices once per microbatch, the summed path's steps more often.
+        return "the batch is split over a mesh, where the per-example path is kept for now"
     grads = _per_example.gradient_shapes(request.example, args)
     scaled = _scaled.read(request.transform, grads)
     if not isinstance(scaled, _scaled.Scaled):
@@ -597,10 +601,16 @@ def _scaled_plan(
         return found.reason
     # The rest may itself scale what it is given (``c / ||c||`` of a clipped ``c``):
     # its plan then holds that scaling, composed with this one.
+    twice = (
+        " (l2_clip_norm clips each example's gradient before transform_fn sees it: a "
+        "clip in transform_fn clips it again)"
+        if request.clipping is not None
+        else ""
+    )
     return dataclasses.replace(
         found,
         clipping=found.clipping or scaling,
-        reason=f"transform_fn {scaled.described}; {found.reason}",
+        reason=f"transform_fn {scaled.described}{twice}; {found.reason}",
     )
 
 
