@@ -107,19 +107,41 @@ def clip(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: leaf * scale, tree)
 
 
+def _of_predicates(line: str) -> bool:
+    """Whether an HLO instruction's result is boolean scalars alone: an all-reduce of
+    branch predicates (the devices agreeing on a branch on the data), not of data.
+
+    >>> _of_predicates("%a = (pred[], pred[]) all-reduce(%x, %y), to_apply=%and")
+    True
+    >>> _of_predicates("%a = (f32[3]{0}, pred[]) all-reduce(%x, %y)")
+    False
+    """
+    result = line.split("=", 1)[1].split("all-reduce", 1)[0] if "=" in line else line
+    types = re.findall(r"(\w+)\[([^\]]*)\]", result)
+    return bool(types) and all(t == "pred" and not dims for t, dims in types)
+
+
 def count_collectives(hlo: str) -> dict[str, int]:
-    """How many instructions of each collective kind the HLO text has (async pairs once).
+    """How many instructions of each collective kind the HLO text has (async pairs once);
+    all-reduces of branch predicates alone are not counted (``_of_predicates``).
 
     >>> count_collectives("%all-reduce.1 = f32[3]{0} all-reduce(f32[3]{0} %p), to_apply=%add")
     {'all-gather': 0, 'all-to-all': 0, 'collective-permute': 0, 'all-reduce': 1, 'reduce-scatter': 0}
     """
-    return {
-        op: len(re.findall(rf"(?<![%\w.-]){re.escape(op)}(?:-start)?\(", hlo)) for op in COLLECTIVES
-    }
+    counts = {}
+    for op in COLLECTIVES:
+        pattern = re.compile(rf"(?<![%\w.-]){re.escape(op)}(?:-start)?\(")
+        counts[op] = sum(
+            len(pattern.findall(line))
+            for line in hlo.splitlines()
+            if not (op == "all-reduce" and _of_predicates(line))
+        )
+    return counts
 
 
 def all_reduces_in_loops(hlo: str) -> int:
-    r"""How many all-reduces sit directly in ``while`` bodies (so run once per iteration).
+    r"""How many all-reduces of data sit directly in ``while`` bodies (so run once per
+    iteration).
 
     >>> all_reduces_in_loops(
     ...     "%body (p: f32[]) -> f32[] {\n  %a = f32[] all-reduce(f32[] %p)\n}\n"
@@ -133,7 +155,7 @@ def all_reduces_in_loops(hlo: str) -> int:
         header = re.match(r"(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{\s*$", line)
         if header:
             inside = header.group(1) in bodies
-        elif inside:
+        elif inside and not _of_predicates(line):
             count += bool(re.search(r"(?<![%\w.-])all-reduce(?:-start)?\(", line))
     return count
 
