@@ -378,3 +378,137 @@ def test_any_scalar_function_of_the_norms(scalar, bound, per_leaf, weighted, mic
 
 _SMALL = mlp()
 _SMALL_GRADS = per_example_grads(_SMALL)
+
+
+# --- found by an attempt to break the reading ------------------------------------------
+
+
+def _sum_of_two_squares(g: Any) -> Any:
+    q = sum(jnp.sum(x * x + x * x) for x in jax.tree.leaves(g))  # 2 ||g||^2
+    return jax.tree.map(lambda x: x / (1.0 + q), g)
+
+
+def _trace_of_square(g: Any) -> Any:
+    q = jnp.einsum("ij,ji->", g["dense2"]["kernel"][:3], g["dense2"]["kernel"][:3])
+    return jax.tree.map(lambda x: x / (1.0 + jnp.abs(q)), g)
+
+
+def _signed_zeros(g: Any) -> Any:
+    q = sum(jnp.sum(x**2) for x in jax.tree.leaves(g))
+    a, b = jnp.arctan2(0.0 * q, -1.0), jnp.arctan2(-0.0 * q, -1.0)  # pi and -pi
+    return {"dense1": jax.tree.map(lambda x: x * a, g["dense1"]),
+            "dense2": jax.tree.map(lambda x: x * b, g["dense2"])}  # fmt: skip
+
+
+def _frozen_and_masked(g: Any) -> Any:
+    """Constants made inside the transform: a frozen layer, a mask from ``arange``."""
+    c = clip(g)
+    mask = (jnp.arange(c["dense1"]["kernel"].shape[1]) % 2).astype(jnp.float32)
+    return {
+        "dense1": {"kernel": c["dense1"]["kernel"] * mask[None], "bias": c["dense1"]["bias"]},
+        "dense2": jax.tree.map(jnp.zeros_like, c["dense2"]),
+    }
+
+
+def _complex_literal(g: Any) -> Any:
+    q = sum(jnp.sum(x**2) for x in jax.tree.leaves(g))
+    return jax.tree.map(lambda x: x * jnp.real(jnp.exp(1j * q)), g)
+
+
+_KEY = jax.random.key(0)
+
+
+def _typed_key(g: Any) -> Any:
+    q = sum(jnp.sum(x**2) for x in jax.tree.leaves(g))
+    return jax.tree.map(lambda x: x * (1 + 0.1 * jax.random.normal(_KEY)) / (1.0 + q), g)
+
+
+BROKEN = {
+    "two squares added": _sum_of_two_squares,
+    "trace of a square": _trace_of_square,
+    "signed zeros": _signed_zeros,
+    "constants made inside": _frozen_and_masked,
+    "a complex literal": _complex_literal,
+    "a typed key": _typed_key,
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_what_once_broke_the_reading(name, small, small_grads):
+    """``g*g + g*g`` read as one square, ``trace(G @ G)`` as a squared norm, ``0.0`` and
+    ``-0.0`` as one factor (wrong sums); constants computed inside the transform, a
+    complex literal and a typed key (crashes): each now equals ``vmap(grad)``."""
+    transform = BROKEN[name]
+    got, _ = jax.jit(grad_fn(small, transform))(small.params, *small.batch)
+    assert_close(got, reference(small_grads, transform), terms=2, factor=8)
+
+
+def test_two_custom_jvp_rules_with_one_primal_are_two_factors(small):
+    """Their derivatives through the result differ: never one factor node (each call
+    of a ``custom_jvp`` is its own node: four here, one per leaf)."""
+
+    def make(c: float) -> Any:
+        @jax.custom_jvp
+        def f(q: jax.Array) -> jax.Array:
+            return 1.0 / (1.0 + q)
+
+        @f.defjvp
+        def f_jvp(primals: Any, tangents: Any) -> Any:
+            return f(primals[0]), c * tangents[0]
+
+        return f
+
+    f1, f2 = make(1.0), make(-3.0)
+
+    def transform(g: Any) -> Any:
+        q = sum(jnp.sum(x**2) for x in jax.tree.leaves(g))
+        return {"dense1": jax.tree.map(lambda x: x * f1(q), g["dense1"]),
+                "dense2": jax.tree.map(lambda x: x * f2(q), g["dense2"])}  # fmt: skip
+
+    fn = grad_fn(small, transform, accumulator=SUM)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.reason.startswith(f"{SCALED} (4 of 4 leaves, 4 factors)"), report.reason
+
+    def ours(params: Any) -> Any:
+        out = fn(params, *small.batch)[0]
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(out))
+
+    def theirs(params: Any) -> Any:
+        out = reference(per_example_grads(small, params), transform, mean=False)
+        return sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(out))
+
+    assert_close(jax.grad(ours)(small.params), jax.grad(theirs)(small.params), terms=8, factor=8)
+
+
+def test_a_transform_that_reads_state_is_read_at_each_call(small, small_grads):
+    """``jax.make_jaxpr`` caches a trace by its function: the reading traces a new one."""
+
+    class Clipper:
+        def __init__(self, bound: float) -> None:
+            self.bound = bound
+
+        def __call__(self, g: Any) -> Any:
+            n = global_norm(g)
+            return jax.tree.map(lambda x: x * jnp.minimum(1.0, self.bound / n), g)
+
+    clipper = Clipper(2.0)
+    fn = grad_fn(small, clipper, accumulator=SUM)
+    fn(small.params, *small.batch)
+    clipper.bound = 0.05
+    got, _ = fn(small.params, *small.batch)
+    assert_close(got, reference(small_grads, Clipper(0.05), mean=False), terms=2, factor=4)
+
+
+@pytest.mark.x64
+def test_an_integer_literal_beyond_float64_s_integers_is_exact(small, small_grads):
+    if not jax.config.read("jax_enable_x64"):
+        pytest.skip("needs int64: runs in make test-x64")
+    big = jnp.int64(2**62)
+
+    def transform(g: Any) -> Any:
+        q = sum(jnp.sum(x**2) for x in jax.tree.leaves(g))
+        one = (big + jnp.int64(1) - big).astype(jnp.float64)
+        return jax.tree.map(lambda x: x * one.astype(x.dtype) / (1.0 + q), g)
+
+    got, _ = grad_fn(small, transform)(small.params, *small.batch)
+    assert_close(got, reference(small_grads, transform), terms=2, factor=4)

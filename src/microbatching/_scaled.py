@@ -32,6 +32,7 @@ through it are JAX's.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,16 +47,43 @@ from ._signature import leaf_paths
 from ._typing import PyTree
 
 Key = tuple[Any, ...]
-"""A node of the factor DAG: ``("sq", leaf, dtype)``, ``("lit", value, dtype)``,
+"""A node of the factor DAG: ``("sq", leaf, dtype)``, ``("lit", dtype, bytes)`` (a
+scalar known when the program is read, by its exact bits: ``-0.0`` is not ``0.0``),
 ``("ref", id)`` (a scalar closed over), ``("op", name, params, inputs, index)``."""
 
 
+def _lit(value: Any, dtype: Any) -> Key:
+    """The key of a known scalar, by its exact bits in ``dtype``."""
+    array = np.asarray(value, dtype=jnp.dtype(dtype))
+    return ("lit", str(array.dtype), array.tobytes().hex())
+
+
+def _lit_value(key: Key) -> np.ndarray:
+    return np.frombuffer(bytes.fromhex(key[2]), dtype=jnp.dtype(key[1])).reshape(())
+
+
 def _one(dtype: str) -> Key:
-    return ("lit", 1.0, dtype)
+    return _lit(1, dtype)
 
 
 def _is_one(key: Key) -> bool:
-    return key[0] == "lit" and key[1] == 1.0
+    return key[0] == "lit" and key == _one(key[1])
+
+
+def _simple(value: Any) -> Any:
+    """A parameter as a key: plain values as they are, anything else (a program, a rule
+    function) by identity: two ``custom_jvp`` functions with one primal and two rules
+    print alike and are two nodes."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list):
+        return tuple(_simple(v) for v in value)
+    if isinstance(value, np.dtype | enum.Enum) or type(value).__module__ == "numpy":
+        return repr(value)
+    try:
+        return ("dtype", str(jnp.dtype(value))) if isinstance(value, type) else ("id", id(value))
+    except TypeError:
+        return ("id", id(value))
 
 
 class _Ref:
@@ -143,7 +171,7 @@ def _dtype(ref: _Ref) -> str:
 
 
 def _params_key(params: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+    return tuple(sorted((k, _simple(v)) for k, v in params.items()))
 
 
 class _Reader:
@@ -159,13 +187,17 @@ class _Reader:
     def const(self, ref: _Ref) -> _V:
         """A constant: uniform where it is a scalar (literal or closed over)."""
         value = self.known[ref]
-        if np.shape(value) != ():
+        if tuple(getattr(value, "shape", np.shape(value))) != ():
             return _CONST
-        if isinstance(value, Tracer) or not np.issubdtype(np.asarray(value).dtype, np.number):
+        dtype = getattr(ref.aval, "dtype", None)
+        plain = dtype is not None and (
+            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+        )
+        if isinstance(value, Tracer) or not plain:  # traced, or a typed key
             key: Key = ("ref", id(value))
             self.values[key] = value
             return _V("const", key=key)
-        return _V("const", key=("lit", float(np.asarray(value)), _dtype(ref)))
+        return _V("const", key=_lit(value, dtype))
 
     def op(self, e: Any, ins: list[Key], index: int = 0) -> Key:
         key = ("op", e.primitive.name, _params_key(e.params), tuple(ins), index)
@@ -177,13 +209,16 @@ class _Reader:
         if key is None:
             return None
         if key[0] == "lit":
-            return key[1]
-        if key[0] != "op" or not _constant(key):
+            found = _lit_value(key)
+        elif key[0] != "op" or not _constant(key):
             return None
-        # Inside an enclosing trace (``plan`` reads abstractly), literals stay concrete.
-        with jax.ensure_compile_time_eval():
-            found = evaluate(self, key, {})
-        return None if isinstance(found, Tracer) else float(np.asarray(found))
+        else:
+            # Inside an enclosing trace (``plan`` reads abstractly), literals stay concrete.
+            with jax.ensure_compile_time_eval():
+                found = evaluate(self, key, {})
+        if isinstance(found, Tracer) or jnp.iscomplexobj(found):
+            return None
+        return float(np.asarray(found))
 
     def step(self, q: _Eqn, ins: list[_V]) -> list[_V]:
         e, name, facts = q.eqn, q.eqn.primitive.name, _primitives.facts(q.eqn)
@@ -223,15 +258,17 @@ class _Reader:
         if squared:
             return [_V("square", ins[0].leaf)]
         if name == "dot_general" and q.ins[0] is q.ins[1] and kinds[0] in ("grad", "flat"):
-            (contract, _), (batch, _) = e.params["dimension_numbers"]
-            if not batch and len(contract) == len(q.ins[0].aval.shape):
+            (contract, other), (batch, _) = e.params["dimension_numbers"]
+            # Entry by entry with itself (``vdot``), not ``trace(G @ G)``.
+            every = sorted(contract) == list(range(len(q.ins[0].aval.shape)))
+            if not batch and every and tuple(contract) == tuple(other):
                 self.uses_norms = True
                 return [_V("uniform", key=("sq", ins[0].leaf, _dtype(out)))]
             return [_OTHER]
         if name in ("add", "add_any") and "square" in kinds:
+            # Squares plus a literal 0 only (optax's ``abs_sq``: the imaginary part's 0);
+            # two squares added is not one leaf's entries squared (``g*g + g*g``).
             other = ins[1 - kinds.index("square")]
-            if other.kind == "square" and other.leaf == ins[kinds.index("square")].leaf:
-                return [ins[0]]
             if other.kind == "const" and self.literal(other.key) == 0:
                 return [ins[kinds.index("square")]]
             return [_OTHER]
@@ -295,7 +332,7 @@ class _Reader:
                     keys.append(factor(v))
                     drops = drops or v.drops
                 elif v.kind == "const" and self.literal(v.key) == 0:
-                    keys.append(("lit", 0.0, _dtype(out)))
+                    keys.append(_lit(0, _dtype(out)))
                     drops = True
                 else:
                     return _OTHER
@@ -345,7 +382,7 @@ def evaluate(reader: _Reader, key: Key, inputs: dict[Key, Any]) -> Any:
         if k in memo:
             return memo[k]
         if k[0] == "lit":
-            out = jnp.asarray(k[1], k[2]) if k[2] else k[1]
+            out = jnp.asarray(_lit_value(k))
         elif k[0] == "ref":
             out = reader.values[k]
         elif k[0] == "sq":
@@ -416,12 +453,19 @@ class Scaled:
         return jnp.stack([jnp.broadcast_to(c, (squares.shape[0],)) for c in columns], axis=1)
 
 
+def _fresh(fn: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
+    """``fn`` as a new function object: ``jax.make_jaxpr`` caches a trace by the function
+    it is given, and a transform that reads state (``self.bound``, a dict it closes over)
+    must be read as it is at this call."""
+    return lambda g: fn(g)
+
+
 def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str | None:
     """The reading of ``transform`` at one example's gradient ``grads`` (shapes) as a
     function of the scaled gradient; None where it scales nothing (no factor reads a
     norm: the statistics method reads it as it is), or why it is not of that form."""
     leaves, structure = jax.tree.flatten(grads)
-    closed, shape = jax.make_jaxpr(transform, return_shape=True)(grads)
+    closed, shape = jax.make_jaxpr(_fresh(transform), return_shape=True)(grads)
     given = [_Ref(v.aval) for v in closed.jaxpr.invars]
     eqns, outs, known = _flatten(closed, given)
     reader = _Reader(known)
@@ -479,15 +523,16 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
     if all(_is_one(f) for f in factors):
         return twice() or why or "no gradient leaf is scaled by a function of its norms"
     # The rest: what the outputs compute from the cut and constants alone.
-    available = set(cut.values())
+    # Constants computed by the program (``zeros_like``, a mask from ``arange``) are
+    # computed again there.
+    available = set(cut.values()) | set(known)
     rest_eqns = []
     for q in eqns:
-        if all(r in available or value.get(r, _CONST).kind == "const" for r in q.ins):
-            if not all(value[r].kind == "const" for r in q.outs):
-                rest_eqns.append(q)
+        if all(r in available for r in q.ins):
+            rest_eqns.append(q)
             available.update(q.outs)
     for path, ref in zip(leaf_paths(shape), outs, strict=True):
-        if ref not in available and value.get(ref, _CONST).kind != "const":
+        if ref not in available:
             reason = twice() or why or "it reads the gradient other than through its norms"
             where = f" {path}" if path else ""
             return f"its output{where} needs more than the scaled gradient: {reason}"

@@ -344,7 +344,9 @@ def _read_values(fn: Callable[[PyTree], PyTree], grads: PyTree) -> tuple[list[_V
     with the output's structure and shapes."""
     leaves = jax.tree.leaves(grads)
     shapes = {i: tuple(g.shape) for i, g in enumerate(leaves)}
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(grads)
+    # A new function object each time: ``make_jaxpr`` caches a trace by its function,
+    # and a transform that reads state must be read as it is now.
+    closed, shape = jax.make_jaxpr(lambda g: fn(g), return_shape=True)(grads)
     given = [_Value(frozenset({i}), True, True, Monomial(), True, 1.0) for i in range(len(leaves))]
     return _walk(closed, given, shapes), jax.tree.structure(shape), shape
 
