@@ -339,10 +339,14 @@ def test_fast_path_forms_no_per_example_gradients(monkeypatch):
     base = _temp(microbatch(jax.grad(summed), (1, 2), 256, SUM), params, x, y)
     fast = _temp(micro_grad(_mlp_loss, **common), params, x, y)
     clipped = _temp(micro_grad(_mlp_loss, l2_clip_norm=1.0, **common), params, x, y)
-    one_by_one = _temp(micro_grad(_mlp_loss, transform_fn=clipper(1.0), **common), params, x, y)
+    per_example = {"transform_fn": clipper(1.0), "clip_method": "materialize", **common}
+    one_by_one = _temp(micro_grad(_mlp_loss, **per_example), params, x, y)
+    # The same clipping as transform_fn: read as l2_clip_norm's path, its memory.
+    scaled = _temp(micro_grad(_mlp_loss, transform_fn=clipper(1.0), **common), params, x, y)
     assert fast <= 1.5 * base
     assert one_by_one >= 256 * gradient_bytes  # a microbatch of per-example gradients
     assert clipped <= 2 * 16 * gradient_bytes + 2 * base  # norms 16 rows at a time
+    assert scaled <= 2 * 16 * gradient_bytes + 2 * base
 
 
 def _chunk_loss(params, x, y):

@@ -110,8 +110,14 @@ def _reference_grads(params, x):
 def test_clipped_micro_grad_with_replicated_params(axis_type, mesh_shape, names):
     mesh = _mesh(axis_type, mesh_shape, names)
     params = {"w": W, "b": jnp.ones(16, W.dtype)}
+    # The per-example path (a clipping transform_fn is otherwise read as l2_clip_norm's,
+    # whose steps also reduce their branch flags across devices: tests/test_scaled.py).
     grad_fn = micro_grad(
-        _loss, microbatch_size=16, transform_fn=_clip, metrics_fn=lambda g: jnp.sum(g["w"])
+        _loss,
+        microbatch_size=16,
+        transform_fn=_clip,
+        metrics_fn=lambda g: jnp.sum(g["w"]),
+        clip_method="materialize",
     )
     with jax.set_mesh(mesh):
         x = jax.device_put(X, NamedSharding(mesh, P("data")))

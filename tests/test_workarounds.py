@@ -84,7 +84,10 @@ def _clip(g):
 
 @pytest.mark.parametrize(
     "options",
-    [{"l2_clip_norm": 1.0, "clip_method": "materialize"}, {"transform_fn": _clip}],
+    [
+        {"l2_clip_norm": 1.0, "clip_method": "materialize"},
+        {"transform_fn": _clip, "clip_method": "materialize"},
+    ],
     ids=["materialize", "transform_fn"],
 )
 def test_per_example_rows_pass_a_barrier_only_where_the_gate_applies(monkeypatch, options):
