@@ -432,7 +432,7 @@ def test_microbatch_warns_about_an_argument_its_argnums_leave_whole():
             r"positional parameter\(s\); use an index in \[-3, 3\)\.$",
         ),
         (
-            lambda: micro_grad(_loss_xy, whole_argnums="y"),
+            lambda: micro_grad(_loss_xy, whole_argnums="y"),  # pyright: ignore[reportArgumentType]
             TypeError,
             r"^whole_argnums must be an int or a sequence of ints, got whole_argnums='y'\.$",
         ),
