@@ -57,7 +57,7 @@ def _plan_mlp(**options):
 
 
 def _totals(candidates):
-    table = _plan_mlp(candidates=candidates).table
+    table = _plan_mlp(candidates=candidates, compile_all=True).table
     return {row.microbatch_size: row.total_bytes for row in table}
 
 
@@ -342,6 +342,7 @@ def test_plans_are_cached_per_build_shapes_and_candidate():
             batch_size=batch_size,
             candidates=list(candidates),
             memory_budget=memory_budget,
+            compile_all=True,
         )
 
     first = plan_with(X, Y)
@@ -685,6 +686,7 @@ def test_progress_says_which_candidate_compiles_how_long_it_took_and_whether_it_
         candidates=[4, 16, 32],
         memory_budget=totals[16],
         progress=True,
+        compile_all=True,
     )
     lines = _progress_lines(capsys.readouterr().err)
     sizes = [4, 16, 32]
@@ -702,7 +704,7 @@ def test_progress_says_which_candidates_were_measured_before(capsys):
     def build(m):
         return _build(m)
 
-    options = {"batch_size": BATCH, "memory_budget": HUGE, "progress": True}
+    options = {"batch_size": BATCH, "memory_budget": HUGE, "progress": True, "compile_all": True}
     plan(build, PARAMS, X, Y, candidates=[4], **options)
     capsys.readouterr()
     plan(build, PARAMS, X, Y, candidates=[4, 8], **options)
@@ -744,7 +746,7 @@ def test_the_kept_program_computes_what_the_built_function_does():
     result = plan(build, params, x, y, batch_size=BATCH, candidates=[4, 16], memory_budget=HUGE)
     step = result.compile()
     assert isinstance(step, jax.stages.Compiled)
-    assert calls == [1, 4, 16]  # compile() compiled nothing more
+    assert calls == [1, 16]  # 16 fits, so 4 is not compiled; compile() compiles nothing more
     assert result.compile() is step
     want = _build(result.microbatch_size)(params, x, y)
     assert_close(step(params, x, y), want)
@@ -772,7 +774,7 @@ def test_a_plan_from_the_cache_compiles_the_chosen_row_once_when_asked(capsys):
         calls.append(m)
         return _build(m)
 
-    options = {"batch_size": BATCH, "candidates": [4, 16], "progress": True}
+    options = {"batch_size": BATCH, "candidates": [4, 16], "progress": True, "compile_all": True}
     roomy = plan(build, PARAMS, X, Y, memory_budget=HUGE, **options)
     tight = plan(build, PARAMS, X, Y, memory_budget=roomy.table[0].total_bytes, **options)
     assert (tight.microbatch_size, calls) == (4, [1, 4, 16])  # planning compiled nothing
@@ -794,11 +796,14 @@ def test_no_program_but_the_chosen_one_outlives_its_turn(monkeypatch):
     programs = []
     alive_at_each_compile = []
 
+    sizes = []
+
     def recording(self, args, kwargs):
         gc.collect()
         alive_at_each_compile.append(sum(ref() is not None for ref in programs))
         program = compile_candidate(self, args, kwargs)
         programs.append(weakref.ref(program))
+        sizes.append(self.microbatch_size)
         return program
 
     monkeypatch.setattr(_plan._Candidate, "compile", recording)
@@ -811,9 +816,11 @@ def test_no_program_but_the_chosen_one_outlives_its_turn(monkeypatch):
     )
     gc.collect()
     assert result.microbatch_size == 8
-    assert alive_at_each_compile == [0, 1, 1, 1]  # 8 chosen; 16 freed before 32 compiles
-    assert [ref() is not None for ref in programs] == [False, True, False, False]
-    assert result.compile() is programs[1]()
+    # the search: 32 does not fit (freed), 4 fits, then 8 does (4 freed), 16 does not
+    assert sizes == [32, 4, 8, 16]
+    assert alive_at_each_compile == [0, 0, 1, 1]
+    assert [ref() is not None for ref in programs] == [False, False, True, False]
+    assert result.compile() is programs[2]()
 
 
 def test_a_plan_made_by_hand_has_no_program():
@@ -837,7 +844,7 @@ def test_a_program_compiled_on_first_use_is_compiled_under_the_plans_mesh():
         return jax.grad(microbatch(loss, (1, 2), m, MEAN))
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
-    options = {"batch_size": BATCH, "candidates": [8, 32]}
+    options = {"batch_size": BATCH, "candidates": [8, 32], "compile_all": True}
     with jax.set_mesh(mesh):
         roomy = plan(build, PARAMS, X, Y, memory_budget=HUGE, **options)
         budget = roomy.table[0].total_bytes

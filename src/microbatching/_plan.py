@@ -1,7 +1,9 @@
-"""The planner: ``plan`` compiles a function at several microbatch sizes and picks one.
+"""The planner: ``plan`` compiles a function at a few microbatch sizes and picks one.
 
-Nothing runs: each candidate is compiled for the example arguments' shapes, and XLA's own
-memory and cost analyses of the compiled program are read.
+``pick="largest"`` runs nothing: candidates are compiled for the example arguments'
+shapes and XLA's own memory analysis of each program is read; the memory of the ones not
+compiled is predicted from those that were (``_Search``). ``pick="fastest"`` then runs
+the compiled steps that fit on the example arrays and keeps the fastest (``_Timing``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from . import _checks, _sharding
 from ._signature import OPTIONS, leaf_paths
-from ._typing import GatherParams
+from ._typing import ClipMethod, GatherParams
 
 Build = Callable[..., Callable[..., Any]]
 """``build(microbatch_size)``, or ``build(microbatch_size, gather_params=...)``."""
@@ -64,6 +66,16 @@ class PlanRow:
       gather_params: The ``gather_params`` this row was compiled with, when ``build``
         takes that keyword (``micro_grad`` on parameters sharded over the batch's mesh
         axis); else None.
+      clip_method: The ``clip_method`` this row was compiled with, when
+        ``pick="fastest"`` and ``build`` takes that keyword; else None.
+      seconds: With ``pick="fastest"``, the median time of one call of this row's
+        compiled step on the example arrays; None where it was not timed (it does not fit,
+        it was dropped as slower, or time ran out).
+      compiled: Whether this row was compiled. If not, its memory and flops are
+        predicted from the compiled rows of the same ``gather_params`` and
+        ``clip_method``: linear in the microbatch size between the nearest compiled
+        sizes (through the two nearest beyond them; in proportion to the size where only
+        one was compiled), and ``str(plan)`` marks them ``~``.
 
     >>> import jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -84,6 +96,9 @@ class PlanRow:
     flops: float | None
     fits: bool
     gather_params: str | None = None
+    clip_method: str | None = None
+    seconds: float | None = None
+    compiled: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +106,20 @@ class Plan:
     """The microbatch size chosen by ``plan``, and what every candidate costs.
 
     Attributes:
-      microbatch_size: The largest candidate whose total memory fits ``memory_budget``
-        (None, no microbatching, counts as larger than any size).
+      microbatch_size: The chosen candidate: with ``pick="largest"``, the largest whose
+        total memory fits ``memory_budget`` (None, no microbatching, counts as larger
+        than any size); with ``pick="fastest"``, the fastest of those timed.
       memory_budget: The budget in bytes, per device.
       batch_size: The size of the batch axis that the function splits.
       table: One ``PlanRow`` per candidate, smallest microbatch size first, None last.
       allow_remainder: Whether the candidates need not divide ``batch_size``.
-      gather_params: The chosen row's ``gather_params``, when ``build`` takes it: at the
-        chosen size, ``"once"`` if it fits (fewer collectives), else
-        ``"per_microbatch"``; None otherwise.
+      gather_params: The chosen row's ``gather_params``, when ``build`` takes it: with
+        ``pick="largest"``, at the chosen size ``"once"`` if it fits (fewer
+        collectives), else ``"per_microbatch"``; with ``pick="fastest"``, the faster
+        one; None otherwise.
+      clip_method: The chosen row's ``clip_method``, when ``pick="fastest"`` and
+        ``build`` takes it; None otherwise.
+      pick: ``"largest"`` or ``"fastest"``, as ``plan`` was asked.
 
     ``str(plan)`` renders the table, with the chosen row marked ``*``, and says why a
     prime batch size has no candidates but 1 and itself. ``compile()`` hands back the
@@ -125,6 +145,8 @@ class Plan:
     table: tuple[PlanRow, ...]
     allow_remainder: bool = False
     gather_params: str | None = None
+    clip_method: str | None = None
+    pick: str = "largest"
     _step: _Step | None = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def compile(self) -> jax.stages.Compiled:
@@ -174,8 +196,10 @@ class Plan:
         )
         chosen = [
             row.fits
+            and row.compiled
             and row.microbatch_size == self.microbatch_size
             and row.gather_params == self.gather_params
+            and row.clip_method == self.clip_method
             for row in self.table
         ]
         footer = (
@@ -183,6 +207,10 @@ class Plan:
             if any(chosen)
             else "  nothing fits."
         )
+        if any(not row.compiled for row in self.table):
+            footer += " ~ predicted from the compiled rows."
+        if any(row.seconds is not None for row in self.table):
+            footer += " time: median of one call, timed on the example arrays."
         prime = self.batch_size > 2 and _is_prime(self.batch_size) and not self.allow_remainder
         note = [f"  {_prime(self.batch_size)}; {_REMAINDER_FIX}"] if prime else []
         return "\n".join([header, *_render(self.table, chosen), footer, *note])
@@ -197,18 +225,41 @@ def plan(
     batch_size: int | None = None,
     safety_margin: float = 0.9,
     allow_remainder: bool | None = None,
+    pick: str = "largest",
+    compile_all: bool = False,
+    max_seconds: float | None = None,
+    repeats: int = 5,
     progress: bool = False,
     **kwargs: Any,
 ) -> Plan:
-    """Picks the largest microbatch size whose compiled program fits in memory.
+    """Picks the largest microbatch size that fits in memory, or the fastest of those.
 
-    For each candidate ``m``, ``jax.jit(build(m)).lower(*args, **kwargs).compile()`` is
-    compiled (never run) and its memory analysis read: the total is
-    ``temp + arguments + outputs - aliases`` bytes, per device for sharded arguments. The
-    measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
-    shardings, batch size, mesh and candidate, so planning again, under any budget or with
-    candidates already measured, compiles nothing. The chosen candidate's compiled
-    program is kept in the ``Plan`` (``Plan.compile()``), and no other candidate's.
+    A candidate ``m`` is measured by compiling
+    ``jax.jit(build(m)).lower(*args, **kwargs).compile()`` and reading its memory
+    analysis: the total is ``temp + arguments + outputs - aliases`` bytes, per device
+    for sharded arguments. Not every candidate is compiled: the total grows with the
+    size, so ``plan`` compiles the largest (done if it fits), the smallest, and then the
+    largest size predicted to fit between the largest compiled size that fits and the
+    smallest that does not, until the two are neighbours (four programs where the total
+    is affine in the size, as it is for the loop over long stretches); the other rows'
+    memory is predicted from the compiled ones (``PlanRow.compiled``).
+    ``compile_all=True`` compiles every candidate.
+
+    With ``pick="fastest"``, every candidate that fits is compiled and **run** on the
+    example arrays (the user's function runs, with its side effects): each is warmed up
+    once, largest size first, and those within 1.5x of the best warm-up are called in
+    turn for ``repeats`` rounds; the fastest median wins. Going to smaller sizes stops
+    after two sizes in a row that were all over 1.5x slower than the best, or when
+    ``max_seconds`` are spent. Where ``build`` also takes ``clip_method``, each method
+    is timed at each size (those that cannot compute the call are left out), so that
+    the measurement, not a cost model, chooses it; where it takes ``gather_params``,
+    both values are timed.
+
+    Measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
+    shardings, batch size, mesh and candidate, so planning again, under any budget or
+    with candidates already measured, compiles nothing; times are not kept. The chosen
+    candidate's compiled program is kept in the ``Plan`` (``Plan.compile()``), and no
+    other candidate's.
 
     The batch size and ``allow_remainder`` come from the function that ``build(1)``
     returns, when ``microbatch``, ``micro_vmap`` or ``micro_grad`` made it, directly or
@@ -244,9 +295,18 @@ def plan(
         default ones then add the powers of two). By default that of ``build``'s
         function, or False for a function of other making; if given, it must agree
         with ``build``'s function.
+      pick: ``"largest"`` (the largest size that fits; nothing runs) or ``"fastest"``
+        (the fastest, timed on the device, of the sizes that fit; needs arrays, not
+        ``jax.ShapeDtypeStruct``).
+      compile_all: Whether to compile every candidate, rather than the few that the
+        search needs; the table then predicts nothing.
+      max_seconds: With ``pick="fastest"``, the seconds (compiling included) after
+        which no new candidate is timed and no new round begins; None for no limit.
+      repeats: With ``pick="fastest"``, the rounds of timed calls after the warm-up.
       progress: Whether to say on standard error, one line per candidate, which one it
         compiles (``plan [3/6] microbatch_size=8: compiling...``), how long that took,
-        its total memory and whether it fits; a candidate measured before says so. Off
+        its total memory and whether it fits; a candidate measured before says so; with
+        ``pick="fastest"``, each warm-up's time and the fastest after each round. Off
         by default, as ``microbatch``'s ``progress``.
       **kwargs: Example keyword arguments of that function, as ``*args``.
 
@@ -273,18 +333,86 @@ def plan(
     4
     """
     _checks.ensure_callable("build", build)
+    how = _checks.ensure_choice("pick", pick, PICKS)
+    every = _checks.ensure_bool("compile_all", compile_all)
+    seconds = _max_seconds(max_seconds)
+    rounds = _repeats(repeats)
     report = _Progress(_checks.ensure_bool("progress", progress))
     labels, specs, treedef = _specs(args, kwargs)
+    if how == "fastest":
+        _ensure_arrays(labels, args, kwargs)
     batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, GATHER.tried(build)[0])))
     remainder = _remainder(allow_remainder, batching)
     size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
-    table, chosen = _measure_all(build, treedef, specs, size, sizes, budget, report)
-    if chosen is None:
-        raise ValueError(_nothing_fits(Plan(None, budget, size, table, remainder)))
-    row, step = chosen
-    return Plan(row.microbatch_size, budget, size, table, remainder, row.gather_params, _step=step)
+    example = jax.tree.unflatten(treedef, specs)
+    key = (treedef, tuple(specs), size, jax.sharding.get_abstract_mesh())
+    base_clip = CLIP.tried(build)[0] if how == "fastest" else None
+    with _sharding.mesh_of(specs):
+        search = _Search(
+            build, example, key, size, sizes, budget, report, base_clip, how == "fastest"
+        )
+        top = search.largest(every)
+        if top is None:
+            raise ValueError(_nothing_fits(Plan(None, budget, size, search.rows({}), remainder)))
+        times: dict[_Candidate, float] = {}
+        if how == "largest":
+            fitting = (
+                c for c in search.base(sizes[top]) if search.measured[c].total_bytes <= budget
+            )
+            chosen = next(fitting)  # at one size, the first gather_params that fits
+        else:
+            chosen, times = _Timing(search, args, kwargs, seconds, rounds).fastest(top)
+        compiled = sum(c.compiled for c in search.measured.values())
+        report.write(f"plan: {compiled} programs compiled for {len(sizes)} sizes\n")
+        table = search.rows(times)
+        step = search.step(chosen)
+    return Plan(
+        chosen.microbatch_size,
+        budget,
+        size,
+        table,
+        remainder,
+        chosen.gather_params,
+        chosen.clip_method,
+        how,
+        _step=step,
+    )
+
+
+PICKS = ("largest", "fastest")
+
+
+def _max_seconds(max_seconds: Any) -> float | None:
+    if max_seconds is None:
+        return None
+    fix = "pass e.g. max_seconds=120, or None for no limit."
+    value = _number("max_seconds", max_seconds, fix)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"max_seconds must be positive and finite, got {max_seconds=}; {fix}")
+    return value
+
+
+def _repeats(repeats: Any) -> int:
+    if not _checks.is_int(repeats) or operator.index(repeats) < 1:
+        raise ValueError(
+            f"repeats must be a positive int, got {repeats=}; pass e.g. repeats=5 rounds "
+            "of timed calls."
+        )
+    return operator.index(repeats)
+
+
+def _ensure_arrays(labels: list[str], args: Any, kwargs: Any) -> None:
+    """``pick="fastest"`` runs the function: its example arguments must be values."""
+    leaves = [leaf for arg in [*args, *kwargs.values()] for leaf in jax.tree.leaves(arg)]
+    for label, leaf in zip(labels, leaves, strict=True):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"plan(pick='fastest') times each candidate by running it, so it needs "
+                f"arrays, but {label} is a jax.ShapeDtypeStruct {leaf}; pass the arrays "
+                "of a real batch, or pick='largest', which only compiles."
+            )
 
 
 _CACHE: weakref.WeakKeyDictionary[Any, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
@@ -550,32 +678,36 @@ class _Keyword:
             takes = False
         return self.values if takes else (None,)
 
-    def call(self, build: Build, m: int | None, value: Any) -> Any:
-        """``build(m)``, given the keyword's ``value`` unless it is None."""
-        return build(m) if value is None else build(m, **{self.name: value})
-
 
 GATHER = _Keyword("gather_params", typing.get_args(GatherParams))
-"""``micro_grad``'s ``gather_params``: at the chosen size the plan takes the first value
-that fits, in ``GatherParams``'s order (``"once"``, fewer collectives, first)."""
+"""``micro_grad``'s ``gather_params``: with ``pick="largest"``, at the chosen size the
+plan takes the first value that fits, in ``GatherParams``'s order (``"once"``, fewer
+collectives, first); with ``pick="fastest"``, the faster."""
+
+CLIP = _Keyword("clip_method", ("auto", *(m for m in typing.get_args(ClipMethod) if m != "auto")))
+"""``micro_grad``'s ``clip_method``, tried with ``pick="fastest"`` only: memory is
+searched with ``"auto"``, and every other method is timed where it fits (a method that
+cannot compute the call says why when it compiles, and is left out)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Candidate:
     """One program that ``plan`` compiles: ``build``'s function at one microbatch size,
-    and with one ``gather_params`` when ``build`` takes it."""
+    and with one ``gather_params`` and one ``clip_method`` where ``build`` takes them."""
 
     build: Build
     microbatch_size: int | None
     gather_params: str | None
+    clip_method: str | None = None
 
     def __str__(self) -> str:
         gather = "" if self.gather_params is None else f", gather_params={self.gather_params!r}"
-        return f"microbatch_size={self.microbatch_size}{gather}"
+        clip = "" if self.clip_method is None else f", clip_method={self.clip_method!r}"
+        return f"microbatch_size={self.microbatch_size}{gather}{clip}"
 
     def compile(self, args: Any, kwargs: Any) -> jax.stages.Compiled:
         """``jax.jit(build(m)).lower(*args, **kwargs).compile()``."""
-        fun = _built(self.build, self.microbatch_size, self.gather_params)
+        fun = _built(self.build, self.microbatch_size, self.gather_params, self.clip_method)
         try:
             return jax.jit(fun).lower(*args, **kwargs).compile()
         except Exception as err:
@@ -654,54 +786,335 @@ class _Measured:
     total_bytes: int
     flops: float | None
     gather_params: str | None
+    clip_method: str | None = None
+    compiled: bool = True
 
-    def row(self, budget: int) -> PlanRow:
+    def row(self, budget: int, seconds: float | None = None) -> PlanRow:
         """The table's row, which says whether the total fits ``budget``."""
-        return PlanRow(**dataclasses.asdict(self), fits=self.total_bytes <= budget)
+        fits = self.total_bytes <= budget
+        return PlanRow(**dataclasses.asdict(self), fits=fits, seconds=seconds)
 
 
-def _measure_all(
-    build: Build,
-    treedef: Any,
-    specs: list[jax.ShapeDtypeStruct],
-    batch_size: int,
-    sizes: tuple[int | None, ...],
-    budget: int,
-    report: _Progress,
-) -> tuple[tuple[PlanRow, ...], tuple[PlanRow, _Step] | None]:
-    """Each candidate's row, and each ``gather_params``'s when ``build`` takes it; and the
-    chosen row with its program. Only the chosen-so-far program is held while the next
-    candidate compiles."""
-    example = jax.tree.unflatten(treedef, specs)
-    key = (treedef, tuple(specs), batch_size, jax.sharding.get_abstract_mesh())
-    memo = _memo(build)
-    candidates = [_Candidate(build, m, g) for m in sizes for g in GATHER.tried(build)]
-    table: list[PlanRow] = []
-    chosen: tuple[PlanRow, _Step] | None = None
-    with _sharding.mesh_of(specs):
-        for i, candidate in enumerate(candidates, 1):
-            label = f"[{i}/{len(candidates)}] {candidate}"
-            cached = (*key, candidate.microbatch_size, candidate.gather_params)
+class _Search:
+    """Finds the largest candidate size that fits in few compiles, and predicts the
+    memory of the sizes it did not compile.
+
+    Total memory grows with the microbatch size (affinely over long stretches: the loop
+    holds one microbatch's intermediates), so the search compiles the largest candidate
+    (done if it fits), the smallest above 1 (a microbatch of 1 is a program of its own,
+    off the line of the others; it is compiled only where that one does not fit), and
+    then the largest size predicted to fit between the largest compiled size that fits
+    and the smallest compiled size that does not, until the two are neighbours: for a
+    total affine in the size, four programs whatever the number of candidates.
+    ``compile_all`` compiles them all, for a total that does not grow with the size.
+    """
+
+    def __init__(
+        self,
+        build: Build,
+        example: tuple[Any, Any],
+        key: tuple[Any, ...],
+        batch_size: int,
+        sizes: tuple[int | None, ...],
+        budget: int,
+        report: _Progress,
+        base_clip: str | None,
+        keep_fitting: bool,
+    ) -> None:
+        self.build, self.example, self.key = build, example, key
+        self.batch_size, self.sizes, self.budget, self.report = batch_size, sizes, budget, report
+        self.gathers = GATHER.tried(build)
+        self.base_clip = base_clip
+        self.keep_fitting = keep_fitting  # pick="fastest" times every fitting program
+        self.memo = _memo(build)
+        self.under_mesh = _mesh()
+        self.measured: dict[_Candidate, _Measured] = {}
+        self.programs: dict[_Candidate, jax.stages.Compiled] = {}
+        self.declined: dict[_Candidate, str] = {}
+
+    def base(self, m: int | None) -> list[_Candidate]:
+        """The candidates at size ``m`` that the search compiles: each ``gather_params``."""
+        return [_Candidate(self.build, m, g, self.base_clip) for g in self.gathers]
+
+    def _label(self, candidate: _Candidate) -> str:
+        i = self.sizes.index(candidate.microbatch_size) * len(self.gathers)
+        i += self.gathers.index(candidate.gather_params) + 1
+        return f"[{i}/{len(self.sizes) * len(self.gathers)}] {candidate}"
+
+    def measure(self, candidate: _Candidate) -> _Measured | None:
+        """The candidate's costs, compiled now or remembered; None for a ``clip_method``
+        other than the base one that cannot compute the call (its reason is kept)."""
+        if candidate in self.measured:
+            return self.measured[candidate]
+        if candidate in self.declined:
+            return None
+        cached = (*self.key, candidate.microbatch_size, candidate.gather_params)
+        cached += (candidate.clip_method,)
+        try:
             measured, program = _measure(
-                candidate, label, memo, cached, example, batch_size, report
+                candidate,
+                self._label(candidate),
+                self.memo,
+                cached,
+                self.example,
+                self.batch_size,
+                self.report,
             )
-            table.append(measured.row(budget))
-            report.row(table[-1])
-            if _larger_fit(table[-1], chosen):
-                chosen = (table[-1], _Step(candidate, example, _mesh(), report, program))
-            del program  # while the next compiles, hold no program but the chosen one
-    return tuple(table), chosen
+        except ValueError as err:
+            if candidate.clip_method in (None, self.base_clip):
+                raise
+            self.declined[candidate] = str(err).split("\n")[0]
+            self.report.write(f"  (clip_method={candidate.clip_method!r} declined: {err})\n")
+            return None
+        self.measured[candidate] = measured
+        row = measured.row(self.budget)
+        self.report.row(row)
+        if program is not None and row.fits and (self.keep_fitting or self._largest(candidate)):
+            if not self.keep_fitting:
+                self.programs.clear()  # hold no program but the chosen-so-far one
+            self.programs[candidate] = program
+        return measured
+
+    def _largest(self, candidate: _Candidate) -> bool:
+        """Whether ``candidate`` is larger than every fitting one kept (at one size, the
+        first ``gather_params`` that fits stays)."""
+        at = self.sizes.index
+        return all(at(candidate.microbatch_size) > at(c.microbatch_size) for c in self.programs)
+
+    def fits(self, i: int) -> bool:
+        """Whether some base candidate at ``sizes[i]`` fits, compiling them as needed."""
+        measured = [self.measure(c) for c in self.base(self.sizes[i])]
+        return any(m is not None and m.total_bytes <= self.budget for m in measured)
+
+    def largest(self, compile_all: bool) -> int | None:
+        """The index in ``sizes`` of the largest size that fits, or None."""
+        top = len(self.sizes) - 1
+        if compile_all:
+            return max((i for i in range(top + 1) if self.fits(i)), default=None)
+        if self.fits(top):
+            return top
+        if top == 0:
+            return None
+        low = 1 if self.sizes[0] == 1 and top > 1 else 0  # 1 is no loop: off the line
+        if not self.fits(low):
+            return 0 if low and self.fits(0) else None
+        lo, hi = low, top
+        while hi - lo > 1:
+            inside = [i for i in range(lo + 1, hi) if self._predicted_fit(i)]
+            i = max(inside, default=lo + 1)
+            lo, hi = (i, hi) if self.fits(i) else (lo, i)
+        return lo
+
+    def _predicted_fit(self, i: int) -> bool:
+        predicted = [self.predicted(c) for c in self.base(self.sizes[i])]
+        return any(p is not None and p.total_bytes <= self.budget for p in predicted)
+
+    def _x(self, m: int | None) -> int:
+        return self.batch_size if m is None else m
+
+    def predicted(self, candidate: _Candidate) -> _Measured | None:
+        """The candidate's costs, measured, or predicted from the compiled rows of its
+        ``gather_params`` and ``clip_method``; None where none was compiled."""
+        if candidate in self.measured:
+            return self.measured[candidate]
+        points = sorted(
+            (
+                (self._x(c.microbatch_size), m)
+                for c, m in self.measured.items()
+                if _alike(c, candidate)
+            ),
+            key=lambda p: p[0],
+        )
+        if not points:
+            return None
+        x = self._x(candidate.microbatch_size)
+        nearest = min(points, key=lambda p: abs(p[0] - x))[1]
+        temp = max(0, round(_line([(px, m.temp_bytes) for px, m in points], x, True)))
+        known = [(px, m.flops) for px, m in points if m.flops is not None]
+        flops = _line(known, x, False) if len(known) == len(points) else None
+        return _Measured(
+            microbatch_size=candidate.microbatch_size,
+            num_microbatches=1 if candidate.microbatch_size is None else -(-self.batch_size // x),
+            temp_bytes=temp,
+            argument_bytes=nearest.argument_bytes,
+            total_bytes=temp + nearest.total_bytes - nearest.temp_bytes,
+            flops=flops,
+            gather_params=candidate.gather_params,
+            clip_method=candidate.clip_method,
+            compiled=False,
+        )
+
+    def program(self, candidate: _Candidate) -> jax.stages.Compiled:
+        """The candidate's compiled program: kept, or compiled now (its measurement came
+        from the cache)."""
+        if candidate not in self.programs:
+            with self.under_mesh(), self.report.compiling(f"[time] {candidate}"):
+                self.programs[candidate] = candidate.compile(*self.example)
+            self.report.write("\n")
+        return self.programs[candidate]
+
+    def step(self, candidate: _Candidate) -> _Step:
+        """The chosen candidate's program, to keep in the Plan: no other is kept."""
+        program = self.programs.get(candidate)
+        self.programs.clear()
+        return _Step(candidate, self.example, self.under_mesh, self.report, program)
+
+    def rows(self, seconds: dict[_Candidate, float]) -> tuple[PlanRow, ...]:
+        """Every base candidate's row, measured or predicted, each followed by the rows
+        of the other ``clip_method`` values compiled at its size."""
+        rows: list[PlanRow] = []
+        for m in self.sizes:
+            for base in self.base(m):
+                others = sorted(
+                    (c for c in self.measured if _alike(c, base, clip=False) and c != base),
+                    key=lambda c: CLIP.values.index(c.clip_method),
+                )
+                for c in [base, *others]:
+                    costs = self.predicted(c)
+                    if costs is not None:
+                        rows.append(costs.row(self.budget, seconds.get(c)))
+        return tuple(rows)
 
 
-def _larger_fit(row: PlanRow, chosen: tuple[PlanRow, _Step] | None) -> bool:
-    """Whether ``row`` is chosen over ``chosen``: it fits, at another size. The rows come
-    smallest first (None last), so that size is larger, and at one size the first
-    ``gather_params`` that fits (``"once"`` before ``"per_microbatch"``) stays."""
-    return row.fits and (chosen is None or row.microbatch_size != chosen[0].microbatch_size)
+def _alike(a: _Candidate, b: _Candidate, clip: bool = True) -> bool:
+    """Whether two candidates differ in their microbatch size alone (or in their
+    ``clip_method`` too, where not ``clip``)."""
+    same = a.gather_params == b.gather_params
+    if clip:
+        return same and a.clip_method == b.clip_method
+    return same and a.microbatch_size == b.microbatch_size
 
 
-def _built(build: Build, m: int | None, gather: str | None = None) -> Callable[..., Any]:
-    fun = GATHER.call(build, m, gather)
+def _line(points: Sequence[tuple[int, float]], x: int, proportional: bool) -> float:
+    """The value at ``x`` of the line through the nearest points around it (through the
+    two nearest on one side, beyond them); from one point, in proportion to ``x`` where
+    ``proportional``, else the same value."""
+    same = [v for px, v in points if px == x]
+    if same:
+        return same[0]
+    below = [p for p in points if p[0] < x]
+    above = [p for p in points if p[0] > x]
+    if below and above:
+        (x0, y0), (x1, y1) = below[-1], above[0]
+    elif len(below) >= 2:
+        (x0, y0), (x1, y1) = below[-2], below[-1]
+    elif len(above) >= 2:
+        (x0, y0), (x1, y1) = above[0], above[1]
+    else:
+        px, v = points[0]
+        return v * x / px if proportional else v
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+_SLOWER = 1.5
+"""``pick="fastest"`` stops timing a candidate over this many times slower than the best
+so far, and stops going to smaller sizes after two sizes in a row that all were."""
+
+
+def _clock() -> float:
+    return time.perf_counter()
+
+
+def _timed_call(candidate: _Candidate, program: Any, args: Any, kwargs: Any) -> float:
+    """Seconds of one call of ``program``, until its outputs are ready."""
+    del candidate  # a test's fake clock times by candidate
+    began = _clock()
+    jax.block_until_ready(program(*args, **kwargs))
+    return _clock() - began
+
+
+class _Timing:
+    """``pick="fastest"``: each candidate that fits is warmed up, largest size first;
+    those within ``_SLOWER`` of the best are then called in turn for ``repeats`` rounds,
+    each round starting at another one; the fastest median wins."""
+
+    def __init__(
+        self,
+        search: _Search,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        max_seconds: float | None,
+        repeats: int,
+    ) -> None:
+        self.search, self.args, self.kwargs = search, args, kwargs
+        self.max_seconds, self.repeats = max_seconds, repeats
+        clips = CLIP.tried(search.build)
+        self.clips = clips[1:] or clips
+        self.began = _clock()
+
+    def _late(self) -> bool:
+        return self.max_seconds is not None and _clock() - self.began > self.max_seconds
+
+    def _call(self, candidate: _Candidate) -> float:
+        program = self.search.program(candidate)
+        return _timed_call(candidate, program, self.args, self.kwargs)
+
+    def _variants(self, m: int | None) -> list[_Candidate]:
+        build, gathers = self.search.build, self.search.gathers
+        return [_Candidate(build, m, g, c) for g in gathers for c in self.clips]
+
+    def fastest(self, top: int) -> tuple[_Candidate, dict[_Candidate, float]]:
+        """The fastest candidate of ``sizes[:top + 1]``, and each timed one's seconds."""
+        report = self.search.report
+        warm: dict[_Candidate, float] = {}
+        slow_sizes = 0
+        for m in reversed(self.search.sizes[: top + 1]):
+            if warm and self._late():
+                report.write(
+                    f"plan: max_seconds={self.max_seconds} spent; smaller sizes not timed\n"
+                )
+                break
+            close = False
+            for candidate in self._variants(m):
+                measured = self.search.measure(candidate)
+                if measured is None or measured.total_bytes > self.search.budget:
+                    continue
+                warm[candidate] = self._call(candidate)
+                report.write(f"plan [time] {candidate}: warm-up {warm[candidate]:.3g} s\n")
+                close |= warm[candidate] <= _SLOWER * min(warm.values())
+            slow_sizes = 0 if close else slow_sizes + 1
+            if slow_sizes == 2:
+                report.write(
+                    f"plan: two sizes in a row over {_SLOWER}x slower than the best; "
+                    "smaller sizes not timed\n"
+                )
+                break
+        if not warm:
+            reasons = "; ".join(f"{c}: {why}" for c, why in self.search.declined.items())
+            raise ValueError(
+                "plan(pick='fastest') found no candidate that fits the budget and computes "
+                f"the call ({reasons}); pass pick='largest'."
+            )
+        samples: dict[_Candidate, list[float]] = {
+            c: [] for c, t in warm.items() if t <= _SLOWER * min(warm.values())
+        }
+        alive = list(samples)
+        for r in range(self.repeats):
+            if r and self._late():
+                report.write(f"plan: max_seconds={self.max_seconds} spent after {r} rounds\n")
+                break
+            turn = r % len(alive)
+            for candidate in alive[turn:] + alive[:turn]:
+                samples[candidate].append(self._call(candidate))
+            medians = {c: float(np.median(samples[c])) for c in alive}
+            fastest = min(medians, key=medians.__getitem__)
+            alive = [c for c in alive if medians[c] <= _SLOWER * medians[fastest]]
+            report.write(
+                f"plan [round {r + 1}/{self.repeats}] fastest so far: {fastest}, "
+                f"{medians[fastest]:.3g} s\n"
+            )
+        seconds = {
+            c: float(np.median(samples[c])) if samples.get(c) else t for c, t in warm.items()
+        }
+        timed = [c for c in samples if samples[c]] or list(warm)
+        return min(timed, key=seconds.__getitem__), seconds
+
+
+def _built(
+    build: Build, m: int | None, gather: str | None = None, clip: str | None = None
+) -> Callable[..., Any]:
+    keywords = {k.name: v for k, v in ((GATHER, gather), (CLIP, clip)) if v is not None}
+    fun = build(m, **keywords)
     if not callable(fun):
         raise TypeError(
             f"build must return the function to run, but build({m}) returned {fun!r}; "
@@ -753,6 +1166,7 @@ def _analysed(compiled: Any, candidate: _Candidate, batch_size: int) -> _Measure
         total_bytes=total,
         flops=_flops(compiled, n),
         gather_params=candidate.gather_params,
+        clip_method=candidate.clip_method,
     )
 
 
@@ -785,7 +1199,7 @@ def _nothing_fits(result: Plan) -> str:
             "shrinks only the scratch memory (temp). Raise memory_budget, or shard the "
             f"arguments over more devices.\n{result}"
         )
-    smallest = min(result.table, key=lambda row: row.total_bytes)
+    smallest = min((r for r in result.table if r.compiled), key=lambda row: row.total_bytes)
     least = min((row.microbatch_size for row in result.table if row.microbatch_size), default=0)
     smaller = "" if least == 1 else f"try candidates below {least or 'the batch size'}, "
     return (
@@ -799,25 +1213,40 @@ def _render(table: tuple[PlanRow, ...], chosen: list[bool]) -> list[str]:
     """Aligned rows under a header; the chosen one starts with ``*``."""
     head: tuple[str, ...] = ("microbatch_size", "microbatches", "temp", "total", "flops", "fits")
     gathers = any(row.gather_params is not None for row in table)
-    cells = [
-        (
+    clips = any(row.clip_method is not None for row in table)
+    timed = any(row.seconds is not None for row in table)
+
+    def cells(row: PlanRow) -> tuple[str, ...]:
+        guess = "" if row.compiled else "~"
+        out = (
             str(row.microbatch_size),
             str(row.num_microbatches),
-            _bytes(row.temp_bytes),
-            _bytes(row.total_bytes),
-            "?" if row.flops is None else _si(row.flops),
+            guess + _bytes(row.temp_bytes),
+            guess + _bytes(row.total_bytes),
+            "?" if row.flops is None else guess + _si(row.flops),
             "yes" if row.fits else "no",
         )
-        + ((str(row.gather_params),) if gathers else ())
-        for row in table
-    ]
+        out += (str(row.gather_params),) if gathers else ()
+        out += (str(row.clip_method),) if clips else ()
+        return out + ((_duration(row.seconds),) if timed else ())
+
     head += ("gather_params",) if gathers else ()
-    widths = [max(len(line[i]) for line in [head, *cells]) for i in range(len(head))]
+    head += ("clip_method",) if clips else ()
+    head += ("time",) if timed else ()
+    lines = [cells(row) for row in table]
+    widths = [max(len(line[i]) for line in [head, *lines]) for i in range(len(head))]
     marks = [" ", *("*" if c else " " for c in chosen)]
     return [
         f"{mark} " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True))
-        for mark, line in zip(marks, [head, *cells], strict=True)
+        for mark, line in zip(marks, [head, *lines], strict=True)
     ]
+
+
+def _duration(seconds: float | None) -> str:
+    """``0.01234`` -> ``'12.3 ms'``; None -> ``'-'`` (not timed)."""
+    if seconds is None:
+        return "-"
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 
 def _bytes(n: float) -> str:
