@@ -326,14 +326,22 @@ def plan(
     >>> build = lambda m: jax.grad(microbatch(loss, 1, m, AccumulationType.MEAN))
     >>> w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
     >>> p = plan(build, w, x, batch_size=64, candidates=[4, 8], memory_budget=2**30)
-    >>> p.microbatch_size, [row.microbatch_size for row in p.table]
-    (8, [4, 8])
-    >>> tight = p.table[0].total_bytes  # what microbatch_size=4 needs
+    >>> p.microbatch_size, [(row.microbatch_size, row.compiled) for row in p.table]
+    (8, [(4, False), (8, True)])
+    >>> tight = p.table[1].total_bytes - 1  # less than microbatch_size=8 needs
     >>> plan(build, w, x, batch_size=64, candidates=[4, 8], memory_budget=tight).microbatch_size
     4
+    >>> fast = plan(build, w, x, candidates=[4, 8], memory_budget=2**30, pick="fastest")
+    >>> fast.microbatch_size in (4, 8), [row.seconds is not None for row in fast.table]
+    (True, [True, True])
     """
     _checks.ensure_callable("build", build)
-    how = _checks.ensure_choice("pick", pick, PICKS)
+    if not isinstance(pick, str) or pick not in PICKS:
+        raise ValueError(
+            f"pick must be 'largest' (the largest size that fits; nothing runs) or "
+            f"'fastest' (the fastest of those, timed on the device), got {pick=}."
+        )
+    how = pick
     every = _checks.ensure_bool("compile_all", compile_all)
     seconds = _max_seconds(max_seconds)
     rounds = _repeats(repeats)
