@@ -138,6 +138,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/clipping.py
 	$(BIN)/python benchmarks/remainder.py
 	$(BIN)/python benchmarks/gradient_statistics.py
+	$(BIN)/python benchmarks/plan.py
 	$(BIN)/python benchmarks/plots.py
 
 format: $(STAMP)

@@ -33,6 +33,7 @@ RESULTS = {
     "CLIPPING.md": "clipping.py",
     "REMAINDER.md": "remainder.py",
     "STATISTICS.md": "gradient_statistics.py",
+    "PLAN.md": "plan.py",
 }
 PLOTS_SCRIPT = "plots.py"  # writes benchmarks/plots/*.png
 PNG_KEY = "Comment"  # the PNG text chunk that holds a plot's stamp

@@ -74,6 +74,7 @@ try:  # benchmark-only dependency
 
     OPTAX: str | None = f"optax {optax.__version__}"
 except ImportError:  # pragma: no cover
+    optax = None
     optax_mb = None
     OPTAX = None
 

@@ -28,6 +28,7 @@ from microbatching import (
     microbatch,
     plan,
 )
+from microbatching._typing import ClipMethod
 
 from .strategies import assert_close, random_array
 
@@ -1007,7 +1008,7 @@ def test_the_search_on_a_mesh_picks_size_and_gather_as_compiling_everything_does
         for budget in _budgets_between(every.table)[1:]:
             found = plan(build, params, x, y, candidates=sizes, memory_budget=budget)
             fitting = [r for r in every.table if r.total_bytes <= budget]
-            largest = max(r.microbatch_size for r in fitting)
+            largest = max(r.microbatch_size or BATCH for r in fitting)
             gather = next(r.gather_params for r in fitting if r.microbatch_size == largest)
             assert (found.microbatch_size, found.gather_params) == (largest, gather)
             assert sum(row.compiled for row in found.table) <= 2 * 4  # both gathers per size
@@ -1059,14 +1060,14 @@ def test_fastest_picks_the_smallest_median_not_the_largest_size(fake_clock):
     assert (found.microbatch_size, found.pick) == (8, "fastest")
     assert [row.seconds for row in found.table] == [1.2, 1.0, 1.1, 1.3]
     assert _fastest(pick="largest").microbatch_size == 32  # what memory alone picks
-    # warm-ups from the largest size down, then 3 interleaved rounds, each from another start
-    assert clock.calls[:4] == [32, 16, 8, 4]
-    assert clock.calls[4:] == [32, 16, 8, 4, 16, 8, 4, 32, 8, 4, 32, 16]
+    # warm-up and one timed call each, largest size first; then 2 rounds, each from another
+    assert clock.calls[:8] == [32, 32, 16, 16, 8, 8, 4, 4]
+    assert clock.calls[8:] == [16, 8, 4, 32, 8, 4, 32, 16]
     assert "time" in str(found).splitlines()[1] and "1 s" in str(found)
 
 
-def test_fastest_judges_by_the_median_of_the_rounds_not_the_warm_up(fake_clock):
-    fake_clock({4: 2.0, 8: [1.3, 1.0, 1.0, 1.0], 16: [1.0, 1.2, 1.2, 1.2], 32: 2.5})
+def test_fastest_judges_by_the_median_of_the_timed_calls_not_the_warm_up(fake_clock):
+    fake_clock({4: 2.0, 8: [9.0, 1.0, 1.3, 1.0], 16: [1.0, 1.2, 1.2, 1.2], 32: 2.5})
     found = _fastest(repeats=3)
     assert found.microbatch_size == 8
     assert found.table[1].seconds == 1.0 and found.table[2].seconds == 1.2
@@ -1076,20 +1077,20 @@ def test_fastest_drops_a_candidate_over_one_and_a_half_times_slower(fake_clock):
     clock = fake_clock({4: 1.4, 8: 1.0, 16: 1.6, 32: 1.1})
     found = _fastest(repeats=2)
     assert found.microbatch_size == 8
-    assert clock.calls.count(16) == 1  # its warm-up alone: 1.6 > 1.5 x 1.0 (8's)
+    assert clock.calls.count(16) == 2  # warm-up and one: 1.6 > 1.5 x 1.0 (8's)
     assert clock.calls.count(4) == clock.calls.count(8) == 3
     assert found.table[2].seconds == 1.6
 
 
 def test_fastest_stops_going_smaller_after_two_slow_sizes(fake_clock, capsys):
     clock = fake_clock({4: 0.1, 8: 2.0, 16: 2.0, 32: 1.0})
-    found = _fastest(repeats=1, progress=True)
+    found = _fastest(repeats=2, progress=True)
     assert found.microbatch_size == 32
     assert 4 not in clock.calls and found.table[0].seconds is None
     err = capsys.readouterr().err
     assert "plan: two sizes in a row over 1.5x slower than the best; smaller sizes not timed" in err
-    assert "plan [time] microbatch_size=32: warm-up 1 s" in err
-    assert "plan [round 1/1] fastest so far: microbatch_size=32, 1 s" in err
+    assert "plan [time] microbatch_size=32: 1 s" in err
+    assert "plan [round 2/2] fastest so far: microbatch_size=32, 1 s" in err
 
 
 def test_fastest_times_only_the_sizes_that_fit(fake_clock):
@@ -1103,8 +1104,8 @@ def test_fastest_times_only_the_sizes_that_fit(fake_clock):
 def test_fastest_stops_when_max_seconds_are_spent(fake_clock, capsys):
     clock = fake_clock({4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
     found = _fastest(max_seconds=2.5, progress=True)
-    assert clock.calls == [32, 16, 8, 32, 16, 8]  # 3 warm-ups, then one round
-    assert found.table[0].seconds is None
+    assert clock.calls == [32, 32, 16, 16]  # two sizes warmed up and timed once: 4 s
+    assert found.table[0].seconds is found.table[1].seconds is None
     err = capsys.readouterr().err
     assert "plan: max_seconds=2.5 spent; smaller sizes not timed" in err
     assert "plan: max_seconds=2.5 spent after 1 rounds" in err
@@ -1114,7 +1115,7 @@ def test_fastest_chooses_the_clip_method_too(fake_clock):
     """A build that takes clip_method has each method timed at each size; the one that
     cannot compute the call (statistics, for l2_clip_norm) is left out."""
 
-    def build(m, clip_method="auto"):
+    def build(m, clip_method: ClipMethod = "auto"):
         return micro_grad(
             _loss,
             batch_argnums=(1, 2),
@@ -1159,7 +1160,7 @@ def test_fastest_leaves_out_the_methods_that_cannot_compute_the_call(fake_clock,
 
     scaled.defvjp(lambda h: (h, None), lambda _, c: (jnp.clip(c, -0.05, 0.05),))
 
-    def build(m, clip_method="auto"):
+    def build(m, clip_method: ClipMethod = "auto"):
         loss = lambda p, x, y: _loss(p, scaled(x), y)  # noqa: E731
         return micro_grad(
             loss, batch_argnums=(1, 2), microbatch_size=m, l2_clip_norm=1.0, clip_method=clip_method

@@ -147,8 +147,9 @@ def micro_grad(
         rows cancel (the ghost methods add a gradient rounded in the model's dtype)
         and in what they certify when a clip factor takes a cotangent below the
         dtype's smallest normal number. Only ``"materialize"`` bounds each example's
-        contribution by the bound on every input; the DP guide's "What the library
-        guarantees" says what each of the others leaves. ``"ghost"``,
+        contribution by the bound on every input; the reference page "DP-SGD: guarantees
+        and numerics" (``docs/reference/dp-sgd-guarantees.md``) says what
+        each of the others leaves. ``"ghost"``,
         ``"two_pass"`` and ``"chunked"`` need ``l2_clip_norm`` or
         ``metrics_fn=microbatching.l2_norm``, and refuse a call with neither:
 

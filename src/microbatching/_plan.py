@@ -247,8 +247,8 @@ def plan(
 
     With ``pick="fastest"``, every candidate that fits is compiled and **run** on the
     example arrays (the user's function runs, with its side effects): each is warmed up
-    once, largest size first, and those within 1.5x of the best warm-up are called in
-    turn for ``repeats`` rounds; the fastest median wins. Going to smaller sizes stops
+    and timed once, largest size first, and those within 1.5x of the best are timed in
+    turn for ``repeats - 1`` more rounds; the fastest median wins. Going to smaller sizes stops
     after two sizes in a row that were all over 1.5x slower than the best, or when
     ``max_seconds`` are spent. Where ``build`` also takes ``clip_method``, each method
     is timed at each size (those that cannot compute the call are left out), so that
@@ -302,11 +302,12 @@ def plan(
         search needs; the table then predicts nothing.
       max_seconds: With ``pick="fastest"``, the seconds (compiling included) after
         which no new candidate is timed and no new round begins; None for no limit.
-      repeats: With ``pick="fastest"``, the rounds of timed calls after the warm-up.
+      repeats: With ``pick="fastest"``, the timed calls of each candidate after its
+        warm-up (the first round times each once, as it is compiled).
       progress: Whether to say on standard error, one line per candidate, which one it
         compiles (``plan [3/6] microbatch_size=8: compiling...``), how long that took,
         its total memory and whether it fits; a candidate measured before says so; with
-        ``pick="fastest"``, each warm-up's time and the fastest after each round. Off
+        ``pick="fastest"``, each candidate's first time and the fastest after each round. Off
         by default, as ``microbatch``'s ``progress``.
       **kwargs: Example keyword arguments of that function, as ``*args``.
 
@@ -1032,9 +1033,10 @@ def _timed_call(candidate: _Candidate, program: Any, args: Any, kwargs: Any) -> 
 
 
 class _Timing:
-    """``pick="fastest"``: each candidate that fits is warmed up, largest size first;
-    those within ``_SLOWER`` of the best are then called in turn for ``repeats`` rounds,
-    each round starting at another one; the fastest median wins."""
+    """``pick="fastest"``: each candidate that fits is warmed up and timed once, largest
+    size first; those within ``_SLOWER`` of the best are then timed in turn for the
+    other ``repeats - 1`` rounds, each round starting at another one; the fastest median
+    wins."""
 
     def __init__(
         self,
@@ -1064,22 +1066,22 @@ class _Timing:
     def fastest(self, top: int) -> tuple[_Candidate, dict[_Candidate, float]]:
         """The fastest candidate of ``sizes[:top + 1]``, and each timed one's seconds."""
         report = self.search.report
-        warm: dict[_Candidate, float] = {}
+        samples: dict[_Candidate, list[float]] = {}
         slow_sizes = 0
         for m in reversed(self.search.sizes[: top + 1]):
-            if warm and self._late():
-                report.write(
-                    f"plan: max_seconds={self.max_seconds} spent; smaller sizes not timed\n"
-                )
+            if samples and self._late():
+                spent = f"plan: max_seconds={self.max_seconds} spent"
+                report.write(f"{spent}; smaller sizes not timed\n")
                 break
             close = False
             for candidate in self._variants(m):
                 measured = self.search.measure(candidate)
                 if measured is None or measured.total_bytes > self.search.budget:
                     continue
-                warm[candidate] = self._call(candidate)
-                report.write(f"plan [time] {candidate}: warm-up {warm[candidate]:.3g} s\n")
-                close |= warm[candidate] <= _SLOWER * min(warm.values())
+                self._call(candidate)  # the warm-up: first-call costs are not the step's
+                samples[candidate] = [self._call(candidate)]
+                report.write(f"plan [time] {candidate}: {samples[candidate][0]:.3g} s\n")
+                close |= samples[candidate][0] <= _SLOWER * min(t[0] for t in samples.values())
             slow_sizes = 0 if close else slow_sizes + 1
             if slow_sizes == 2:
                 report.write(
@@ -1087,18 +1089,16 @@ class _Timing:
                     "smaller sizes not timed\n"
                 )
                 break
-        if not warm:
+        if not samples:
             reasons = "; ".join(f"{c}: {why}" for c, why in self.search.declined.items())
             raise ValueError(
                 "plan(pick='fastest') found no candidate that fits the budget and computes "
                 f"the call ({reasons}); pass pick='largest'."
             )
-        samples: dict[_Candidate, list[float]] = {
-            c: [] for c, t in warm.items() if t <= _SLOWER * min(warm.values())
-        }
-        alive = list(samples)
-        for r in range(self.repeats):
-            if r and self._late():
+        first = min(t[0] for t in samples.values())
+        alive = contenders = [c for c, t in samples.items() if t[0] <= _SLOWER * first]
+        for r in range(1, self.repeats):
+            if self._late():
                 report.write(f"plan: max_seconds={self.max_seconds} spent after {r} rounds\n")
                 break
             turn = r % len(alive)
@@ -1111,11 +1111,8 @@ class _Timing:
                 f"plan [round {r + 1}/{self.repeats}] fastest so far: {fastest}, "
                 f"{medians[fastest]:.3g} s\n"
             )
-        seconds = {
-            c: float(np.median(samples[c])) if samples.get(c) else t for c, t in warm.items()
-        }
-        timed = [c for c in samples if samples[c]] or list(warm)
-        return min(timed, key=seconds.__getitem__), seconds
+        seconds = {c: float(np.median(t)) for c, t in samples.items()}
+        return min(contenders, key=seconds.__getitem__), seconds
 
 
 def _built(
