@@ -318,6 +318,7 @@ def choose_microbatch_size(
         batch_size=args.batch_size,
         memory_budget=int(args.memory_budget * 2**20),
         candidates=[m for m in candidates if args.batch_size % m == 0],
+        compile_all=True,  # the whole memory table, not only the sizes the search needs
     )
     print(chosen)
     assert chosen.microbatch_size is not None

@@ -575,6 +575,11 @@ def _example_error(**options):
             r"max_seconds must be a number, got max_seconds='1m'; pass e.g. max_seconds=120, or None for no limit\.",
         ),
         (
+            {"repeats": 2.0},
+            TypeError,
+            r"repeats must be a positive int, got repeats=2.0; pass e.g. repeats=5 rounds of timed calls\.",
+        ),
+        (
             {"repeats": 0},
             ValueError,
             r"repeats must be a positive int, got repeats=0; pass e.g. repeats=5 rounds of timed calls\.",
@@ -621,7 +626,10 @@ def test_compile_errors_say_which_candidate_failed():
 
     with pytest.raises(TypeError) as info:
         plan(build, X, memory_budget=HUGE, candidates=[8])
-    assert "(raised by plan while compiling build(8))" in info.value.__notes__
+    assert (
+        "(raised by plan while compiling build(8); pass candidates= to plan to leave such sizes out)"
+        in info.value.__notes__
+    )
 
 
 def test_plan_is_frozen():
@@ -1107,7 +1115,7 @@ def test_fastest_stops_when_max_seconds_are_spent(fake_clock, capsys):
     assert clock.calls == [32, 32, 16, 16]  # two sizes warmed up and timed once: 4 s
     assert found.table[0].seconds is found.table[1].seconds is None
     err = capsys.readouterr().err
-    assert "plan: max_seconds=2.5 spent; smaller sizes not timed" in err
+    assert "plan: max_seconds=2.5 spent; no more candidates timed" in err
     assert "plan: max_seconds=2.5 spent after 1 rounds" in err
 
 
@@ -1209,3 +1217,103 @@ def test_a_training_loop_plans_once_and_reuses_the_compiled_step():
     before = list(compiled)
     again = plan(counted, params, x, y, candidates=[8, 16], memory_budget=HUGE)
     assert compiled == before and again.microbatch_size == 16
+
+
+def _micro_grad_build(**options):
+    def build(m, clip_method: ClipMethod = "auto"):
+        return micro_grad(
+            _loss, batch_argnums=(1, 2), microbatch_size=m, clip_method=clip_method, **options
+        )
+
+    return build
+
+
+def test_fastest_with_the_whole_batch_and_its_size_predicts_the_rows_it_did_not_time(
+    fake_clock,
+):
+    """None (no microbatching) and the batch's own size sit at one point of the line: a
+    row predicted from them divided by zero."""
+    fake_clock({None: 1.0, BATCH: 1.0, 8: 1.0})
+    found = _fastest(candidates=[8, BATCH, None], max_seconds=2.5)
+    assert [row.microbatch_size for row in found.table] == [8, BATCH, None]
+    assert not found.table[0].compiled and found.table[0].seconds is None
+    assert found.table[0].total_bytes > 0
+
+
+@pytest.mark.parametrize("pick", ["largest", "fastest"])
+def test_a_build_whose_clip_method_has_no_default_is_given_auto(pick, fake_clock):
+    def build(m, clip_method):
+        return _micro_grad_build(l2_clip_norm=1.0)(m, clip_method)
+
+    fake_clock({(m, c): 1.0 for m in (8, 32) for c in _plan.CLIP.values})
+    params, x, y = _concrete()
+    found = plan(build, params, x, y, candidates=[8, 32], memory_budget=HUGE, pick=pick)
+    assert found.microbatch_size in (8, 32)
+    assert {row.clip_method for row in found.table} >= {"auto"}
+
+
+def test_fastest_times_auto_where_it_chooses_none_of_the_named_methods(fake_clock):
+    """Nothing clipped: auto takes the plain sum, which no named method computes."""
+    fake_clock({(m, c): 1.0 for m in (8, 32) for c in _plan.CLIP.values})
+    params, x, y = _concrete()
+    found = plan(
+        _micro_grad_build(), params, x, y, candidates=[8, 32], memory_budget=HUGE, pick="fastest"
+    )
+    timed = {row.clip_method for row in found.table if row.seconds is not None}
+    assert "auto" in timed and "ghost" not in timed  # ghost refuses: nothing to clip
+
+
+def test_fastest_does_not_count_a_size_where_nothing_fits_as_slow(fake_clock):
+    """Totals that do not grow with the size (here forced by a fake compile): 16 and 8 do
+    not fit, 4 does; they do not stop the descent from 32 to 4."""
+    totals = _totals([4, 8, 16, 32])
+    budget = totals[4]
+    clock = fake_clock({4: 1.0, 32: 1.0})
+    real = _plan._analysed
+
+    def analysed(compiled, candidate, batch_size):
+        measured = real(compiled, candidate, batch_size)
+        if candidate.microbatch_size == 32:  # as the whole batch in one program can
+            return dataclasses.replace(measured, total_bytes=budget)
+        return measured
+
+    params, x, y = _concrete()
+    options = {"batch_size": BATCH, "candidates": [4, 8, 16, 32], "pick": "fastest"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_plan, "_analysed", analysed)
+        build = lambda m: _build(m)  # noqa: E731  (a new build: nothing cached for it)
+        found = plan(build, params, x, y, memory_budget=budget, compile_all=True, **options)
+    assert 4 in clock.calls and 32 in clock.calls
+    assert [row.seconds is not None for row in found.table] == [True, False, False, True]
+
+
+def test_max_seconds_is_checked_before_each_candidate(fake_clock, capsys):
+    def build(m, gather_params):
+        return _build(m)
+
+    clock = fake_clock({8: 1.0, 32: 1.0})
+    params, x, y = _concrete()
+    plan(
+        build,
+        params,
+        x,
+        y,
+        candidates=[8, 32],
+        memory_budget=HUGE,
+        pick="fastest",
+        max_seconds=1.5,
+        progress=True,
+    )
+    assert clock.calls == [32, 32]  # one gather timed at 32; the other not begun
+    assert "plan: max_seconds=1.5 spent; no more candidates timed" in capsys.readouterr().err
+
+
+def test_progress_counts_the_programs_compiled_and_those_measured_before(capsys):
+    def build(m):
+        return _build(m)
+
+    options = {"batch_size": BATCH, "memory_budget": HUGE, "progress": True}
+    plan(build, PARAMS, X, Y, candidates=[4, 8], **options)
+    assert "plan: 1 program compiled for 2 sizes" in capsys.readouterr().err
+    plan(build, PARAMS, X, Y, candidates=[4, 8], compile_all=True, **options)
+    assert "plan: 1 program compiled (1 measured before) for 2 sizes" in capsys.readouterr().err

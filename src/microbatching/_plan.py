@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from . import _checks, _sharding
+from ._inspect import clipping_report
 from ._signature import OPTIONS, leaf_paths
 from ._typing import ClipMethod, GatherParams
 
@@ -248,12 +249,14 @@ def plan(
     With ``pick="fastest"``, every candidate that fits is compiled and **run** on the
     example arrays (the user's function runs, with its side effects): each is warmed up
     and timed once, largest size first, and those within 1.5x of the best are timed in
-    turn for ``repeats - 1`` more rounds; the fastest median wins. Going to smaller sizes stops
-    after two sizes in a row that were all over 1.5x slower than the best, or when
-    ``max_seconds`` are spent. Where ``build`` also takes ``clip_method``, each method
-    is timed at each size (those that cannot compute the call are left out), so that
-    the measurement, not a cost model, chooses it; where it takes ``gather_params``,
-    both values are timed.
+    turn for ``repeats - 1`` more rounds; the fastest median wins. Going to smaller
+    sizes stops after two sizes in a row whose timed candidates were all over 1.5x
+    slower than the best, or when ``max_seconds`` are spent. Where ``build`` also takes
+    ``clip_method``, each method is timed at each size (those that cannot compute the
+    call are left out, and ``"auto"`` is timed only where it chooses none of them), so
+    that the measurement, not a cost model, chooses it; a ``clip_method`` with no
+    default is given ``"auto"`` by ``pick="largest"``. Where ``build`` takes
+    ``gather_params``, both values are timed.
 
     Measurements are kept per ``build`` (held weakly), argument shapes, dtypes and
     shardings, batch size, mesh and candidate, so planning again, under any budget or
@@ -300,8 +303,9 @@ def plan(
         ``jax.ShapeDtypeStruct``).
       compile_all: Whether to compile every candidate, rather than the few that the
         search needs; the table then predicts nothing.
-      max_seconds: With ``pick="fastest"``, the seconds (compiling included) after
-        which no new candidate is timed and no new round begins; None for no limit.
+      max_seconds: With ``pick="fastest"``, the seconds from the start of ``plan``
+        (its compiling included) after which no new candidate is timed and no new round
+        begins; None for no limit.
       repeats: With ``pick="fastest"``, the timed calls of each candidate after its
         warm-up (the first round times each once, as it is compiled).
       progress: Whether to say on standard error, one line per candidate, which one it
@@ -350,18 +354,20 @@ def plan(
     labels, specs, treedef = _specs(args, kwargs)
     if how == "fastest":
         _ensure_arrays(labels, args, kwargs)
-    batching = _cached(build, OPTIONS, lambda: _batching(_built(build, 1, GATHER.tried(build)[0])))
+    fastest = how == "fastest"
+    takes_clip = CLIP.tried(build)[0] is not None
+    base_clip = "auto" if (fastest and takes_clip) or CLIP.required(build) else None
+    first = (build, 1, GATHER.tried(build)[0], base_clip)
+    batching = _cached(build, OPTIONS, lambda: _batching(_built(*first)))
     remainder = _remainder(allow_remainder, batching)
     size = _batch_size(batch_size, batching, (args, kwargs), labels, specs)
     sizes = _candidates(candidates, size, remainder)
     budget = _budget(memory_budget, safety_margin, specs)
     example = jax.tree.unflatten(treedef, specs)
     key = (treedef, tuple(specs), size, jax.sharding.get_abstract_mesh())
-    base_clip = CLIP.tried(build)[0] if how == "fastest" else None
+    began = _clock()
     with _sharding.mesh_of(specs):
-        search = _Search(
-            build, example, key, size, sizes, budget, report, base_clip, how == "fastest"
-        )
+        search = _Search(build, example, key, size, sizes, budget, report, base_clip, fastest)
         top = search.largest(every)
         if top is None:
             raise ValueError(_nothing_fits(Plan(None, budget, size, search.rows({}), remainder)))
@@ -372,9 +378,14 @@ def plan(
             )
             chosen = next(fitting)  # at one size, the first gather_params that fits
         else:
-            chosen, times = _Timing(search, args, kwargs, seconds, rounds).fastest(top)
-        compiled = sum(c.compiled for c in search.measured.values())
-        report.write(f"plan: {compiled} programs compiled for {len(sizes)} sizes\n")
+            timing = _Timing(search, args, kwargs, seconds, rounds, began)
+            chosen, times = timing.fastest(top)
+        before = len(search.measured) - search.compiled
+        cached = f" ({before} measured before)" if before else ""
+        plural = "" if search.compiled == 1 else "s"
+        report.write(
+            f"plan: {search.compiled} program{plural} compiled{cached} for {len(sizes)} sizes\n"
+        )
         table = search.rows(times)
         step = search.step(chosen)
     return Plan(
@@ -404,7 +415,12 @@ def _max_seconds(max_seconds: Any) -> float | None:
 
 
 def _repeats(repeats: Any) -> int:
-    if not _checks.is_int(repeats) or operator.index(repeats) < 1:
+    if not _checks.is_int(repeats):
+        raise TypeError(
+            f"repeats must be a positive int, got {repeats=}; pass e.g. repeats=5 rounds "
+            "of timed calls."
+        )
+    if operator.index(repeats) < 1:
         raise ValueError(
             f"repeats must be a positive int, got {repeats=}; pass e.g. repeats=5 rounds "
             "of timed calls."
@@ -679,13 +695,20 @@ class _Keyword:
     name: str
     values: tuple[Any, ...]
 
+    def _parameter(self, build: Build) -> inspect.Parameter | None:
+        try:
+            return inspect.signature(build).parameters.get(self.name)
+        except (TypeError, ValueError):  # builtins may have no signature
+            return None
+
     def tried(self, build: Build) -> tuple[Any, ...]:
         """``values`` if ``build`` takes the keyword, else ``(None,)``: without it."""
-        try:
-            takes = self.name in inspect.signature(build).parameters
-        except (TypeError, ValueError):  # builtins may have no signature
-            takes = False
-        return self.values if takes else (None,)
+        return self.values if self._parameter(build) is not None else (None,)
+
+    def required(self, build: Build) -> bool:
+        """Whether ``build`` takes the keyword and gives it no default."""
+        parameter = self._parameter(build)
+        return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 GATHER = _Keyword("gather_params", typing.get_args(GatherParams))
@@ -720,7 +743,10 @@ class _Candidate:
         try:
             return jax.jit(fun).lower(*args, **kwargs).compile()
         except Exception as err:
-            err.add_note(f"(raised by plan while compiling build({self.microbatch_size}))")
+            err.add_note(
+                f"(raised by plan while compiling build({self.microbatch_size}); pass "
+                "candidates= to plan to leave such sizes out)"
+            )
             raise
 
 
@@ -840,6 +866,7 @@ class _Search:
         self.measured: dict[_Candidate, _Measured] = {}
         self.programs: dict[_Candidate, jax.stages.Compiled] = {}
         self.declined: dict[_Candidate, str] = {}
+        self.compiled = 0  # programs compiled now, not measured before
 
     def base(self, m: int | None) -> list[_Candidate]:
         """The candidates at size ``m`` that the search compiles: each ``gather_params``."""
@@ -876,6 +903,7 @@ class _Search:
             self.report.write(f"  (clip_method={candidate.clip_method!r} declined: {err})\n")
             return None
         self.measured[candidate] = measured
+        self.compiled += program is not None
         row = measured.row(self.budget)
         self.report.row(row)
         if program is not None and row.fits and (self.keep_fitting or self._largest(candidate)):
@@ -926,14 +954,10 @@ class _Search:
         ``gather_params`` and ``clip_method``; None where none was compiled."""
         if candidate in self.measured:
             return self.measured[candidate]
-        points = sorted(
-            (
-                (self._x(c.microbatch_size), m)
-                for c, m in self.measured.items()
-                if _alike(c, candidate)
-            ),
-            key=lambda p: p[0],
-        )
+        by_x = {
+            self._x(c.microbatch_size): m for c, m in self.measured.items() if _alike(c, candidate)
+        }
+        points = sorted(by_x.items(), key=lambda p: p[0])  # None and the batch size: one x
         if not points:
             return None
         x = self._x(candidate.microbatch_size)
@@ -983,6 +1007,19 @@ class _Search:
                     if costs is not None:
                         rows.append(costs.row(self.budget, seconds.get(c)))
         return tuple(rows)
+
+
+def _auto_is_named(search: _Search, candidate: _Candidate) -> bool:
+    """Whether ``clip_method="auto"`` computes the call with one of the named methods
+    (``clipping_report``), so that timing it would time one of them twice; False where
+    ``build``'s function is not one ``micro_grad`` made (then ``"auto"`` is timed too)."""
+    fun = _built(search.build, candidate.microbatch_size, candidate.gather_params, "auto")
+    args, kwargs = search.example
+    try:
+        with search.under_mesh():
+            return clipping_report(fun, *args, **kwargs).method in CLIP.values[1:]
+    except TypeError:
+        return False
 
 
 def _alike(a: _Candidate, b: _Candidate, clip: bool = True) -> bool:
@@ -1045,12 +1082,10 @@ class _Timing:
         kwargs: dict[str, Any],
         max_seconds: float | None,
         repeats: int,
+        began: float,
     ) -> None:
         self.search, self.args, self.kwargs = search, args, kwargs
-        self.max_seconds, self.repeats = max_seconds, repeats
-        clips = CLIP.tried(search.build)
-        self.clips = clips[1:] or clips
-        self.began = _clock()
+        self.max_seconds, self.repeats, self.began = max_seconds, repeats, began
 
     def _late(self) -> bool:
         return self.max_seconds is not None and _clock() - self.began > self.max_seconds
@@ -1060,21 +1095,30 @@ class _Timing:
         return _timed_call(candidate, program, self.args, self.kwargs)
 
     def _variants(self, m: int | None) -> list[_Candidate]:
+        """The candidates to time at size ``m``: each ``gather_params``, and each
+        ``clip_method`` where ``build`` takes it; ``"auto"`` only where what it chooses
+        for the call is none of the named methods (nothing to clip: the plain sum)."""
         build, gathers = self.search.build, self.search.gathers
-        return [_Candidate(build, m, g, c) for g in gathers for c in self.clips]
+        clips = CLIP.tried(build)
+        if clips[0] is not None and _auto_is_named(
+            self.search, _Candidate(build, m, gathers[0], "auto")
+        ):
+            clips = clips[1:]
+        return [_Candidate(build, m, g, c) for g in gathers for c in clips]
 
     def fastest(self, top: int) -> tuple[_Candidate, dict[_Candidate, float]]:
         """The fastest candidate of ``sizes[:top + 1]``, and each timed one's seconds."""
         report = self.search.report
         samples: dict[_Candidate, list[float]] = {}
         slow_sizes = 0
+        late = False
         for m in reversed(self.search.sizes[: top + 1]):
-            if samples and self._late():
-                spent = f"plan: max_seconds={self.max_seconds} spent"
-                report.write(f"{spent}; smaller sizes not timed\n")
-                break
-            close = False
+            timed, close = False, False
             for candidate in self._variants(m):
+                if late := bool(samples) and self._late():
+                    spent = f"plan: max_seconds={self.max_seconds} spent"
+                    report.write(f"{spent}; no more candidates timed\n")
+                    break
                 measured = self.search.measure(candidate)
                 if measured is None or measured.total_bytes > self.search.budget:
                     continue
@@ -1082,7 +1126,10 @@ class _Timing:
                 samples[candidate] = [self._call(candidate)]
                 report.write(f"plan [time] {candidate}: {samples[candidate][0]:.3g} s\n")
                 close |= samples[candidate][0] <= _SLOWER * min(t[0] for t in samples.values())
-            slow_sizes = 0 if close else slow_sizes + 1
+                timed = True
+            if late:
+                break
+            slow_sizes = 0 if close else slow_sizes + timed  # a size where none fit: no count
             if slow_sizes == 2:
                 report.write(
                     f"plan: two sizes in a row over {_SLOWER}x slower than the best; "
