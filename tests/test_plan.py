@@ -1119,7 +1119,7 @@ def test_fastest_stops_when_max_seconds_are_spent(fake_clock, capsys):
     assert "plan: max_seconds=2.5 spent after 1 rounds" in err
 
 
-def test_fastest_chooses_the_clip_method_too(fake_clock):
+def test_fastest_chooses_the_clip_method_too(fake_clock, capsys):
     """A build that takes clip_method has each method timed at each size; the one that
     cannot compute the call (statistics, for l2_clip_norm) is left out."""
 
@@ -1137,11 +1137,21 @@ def test_fastest_chooses_the_clip_method_too(fake_clock):
     times[(8, "materialize")] = 0.5
     fake_clock(times)
     params, x, y = _concrete()
-    found = plan(build, params, x, y, candidates=[8, 32], memory_budget=HUGE, pick="fastest")
+    found = plan(
+        build, params, x, y, candidates=[8, 32], memory_budget=HUGE, pick="fastest", progress=True
+    )
     assert (found.microbatch_size, found.clip_method) == (8, "materialize")
+    err = capsys.readouterr().err
+    assert (
+        "plan: microbatch_size=32, clip_method='auto' chooses 'ghost' for this call: timed as such"
+        in err
+    )
+    assert (
+        "plan: the fastest is microbatch_size=8, clip_method='materialize', 500 ms (the median of 5 calls)"
+        in err
+    )
     rows = [(r.microbatch_size, r.clip_method, r.seconds) for r in found.table]
-    assert rows == [
-        (8, "auto", None),
+    assert rows == [  # auto: compiled at 32 by the memory search, not timed (it is ghost)
         (8, "ghost", 1.0),
         (8, "two_pass", 1.0),
         (8, "chunked", 1.0),

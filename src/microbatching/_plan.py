@@ -69,14 +69,18 @@ class PlanRow:
         axis); else None.
       clip_method: The ``clip_method`` this row was compiled with, when
         ``pick="fastest"`` and ``build`` takes that keyword; else None.
-      seconds: With ``pick="fastest"``, the median time of one call of this row's
-        compiled step on the example arrays; None where it was not timed (it does not fit,
-        it was dropped as slower, or time ran out).
+      seconds: With ``pick="fastest"``, the median time of this row's timed calls of its
+        compiled step on the example arrays (one call where it was over 1.5x slower than
+        the best at its first, or where the rounds ended early); None where it was not
+        timed (it does not fit, it was not compiled, going to smaller sizes stopped, or
+        ``max_seconds`` were spent).
       compiled: Whether this row was compiled. If not, its memory and flops are
         predicted from the compiled rows of the same ``gather_params`` and
-        ``clip_method``: linear in the microbatch size between the nearest compiled
-        sizes (through the two nearest beyond them; in proportion to the size where only
-        one was compiled), and ``str(plan)`` marks them ``~``.
+        ``clip_method``, and ``str(plan)`` marks them ``~``: the memory linear in the
+        microbatch size between the nearest compiled sizes (through the two nearest
+        beyond them; in proportion to the size where only one was compiled), the flops
+        linear in the number of microbatches. Estimates: the memory can fall below the
+        real figure where XLA's choices change between the compiled sizes.
 
     >>> import jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -239,12 +243,13 @@ def plan(
     ``jax.jit(build(m)).lower(*args, **kwargs).compile()`` and reading its memory
     analysis: the total is ``temp + arguments + outputs - aliases`` bytes, per device
     for sharded arguments. Not every candidate is compiled: the total grows with the
-    size, so ``plan`` compiles the largest (done if it fits), the smallest, and then the
-    largest size predicted to fit between the largest compiled size that fits and the
-    smallest that does not, until the two are neighbours (four programs where the total
-    is affine in the size, as it is for the loop over long stretches); the other rows'
-    memory is predicted from the compiled ones (``PlanRow.compiled``).
-    ``compile_all=True`` compiles every candidate.
+    size, so ``plan`` compiles the largest (done if it fits), the smallest above 1, and
+    then the largest size predicted to fit between the largest compiled size that fits
+    and the smallest that does not, until the two are neighbours (four programs where
+    the total is affine in the size, as it is for the loop over long stretches); the
+    other rows are predicted from the compiled ones (``PlanRow.compiled``): estimates,
+    which can fall below the real figure, while the pick itself is always compiled and
+    checked against its larger neighbour. ``compile_all=True`` compiles every candidate.
 
     With ``pick="fastest"``, every candidate that fits is compiled and **run** on the
     example arrays (the user's function runs, with its side effects): each is warmed up
@@ -276,7 +281,10 @@ def plan(
         it also takes a keyword ``gather_params``, as
         ``lambda m, gather_params: micro_grad(..., gather_params=gather_params)``, each
         size is compiled with ``"once"`` and with ``"per_microbatch"``, and the plan
-        chooses between them too (``Plan.gather_params``).
+        chooses between them too (``Plan.gather_params``). If it takes ``clip_method``,
+        ``pick="fastest"`` times each method (``Plan.clip_method``), and
+        ``pick="largest"`` gives it ``"auto"`` where it has no default. ``build(1)`` is
+        called first, to read the options of the function it returns.
       *args: Example positional arguments of that function: arrays or
         ``jax.ShapeDtypeStruct``, possibly sharded. Only their shapes, dtypes and
         shardings are used.
@@ -963,11 +971,13 @@ class _Search:
         x = self._x(candidate.microbatch_size)
         nearest = min(points, key=lambda p: abs(p[0] - x))[1]
         temp = max(0, round(_line([(px, m.temp_bytes) for px, m in points], x, True)))
-        known = [(px, m.flops) for px, m in points if m.flops is not None]
-        flops = _line(known, x, False) if len(known) == len(points) else None
+        # flops: the whole batch's, plus a cost per loop iteration: a line in their count
+        known = [(m.num_microbatches, m.flops) for _, m in points if m.flops is not None]
+        n = 1 if candidate.microbatch_size is None else -(-self.batch_size // x)
+        flops = _line(sorted(dict(known).items()), n, False) if len(known) == len(points) else None
         return _Measured(
             microbatch_size=candidate.microbatch_size,
-            num_microbatches=1 if candidate.microbatch_size is None else -(-self.batch_size // x),
+            num_microbatches=n,
             temp_bytes=temp,
             argument_bytes=nearest.argument_bytes,
             total_bytes=temp + nearest.total_bytes - nearest.temp_bytes,
@@ -1002,24 +1012,28 @@ class _Search:
                     (c for c in self.measured if _alike(c, base, clip=False) and c != base),
                     key=lambda c: CLIP.values.index(c.clip_method),
                 )
-                for c in [base, *others]:
+                # a predicted base row beside compiled rows of other methods: left out
+                shown = [base] if base in self.measured or not others else []
+                for c in [*shown, *others]:
                     costs = self.predicted(c)
                     if costs is not None:
                         rows.append(costs.row(self.budget, seconds.get(c)))
         return tuple(rows)
 
 
-def _auto_is_named(search: _Search, candidate: _Candidate) -> bool:
-    """Whether ``clip_method="auto"`` computes the call with one of the named methods
-    (``clipping_report``), so that timing it would time one of them twice; False where
-    ``build``'s function is not one ``micro_grad`` made (then ``"auto"`` is timed too)."""
+def _auto_is_named(search: _Search, candidate: _Candidate) -> str | None:
+    """The named method with which ``clip_method="auto"`` computes the call
+    (``clipping_report``), so that timing it would time that one twice; None where it
+    chooses none of them (the plain sum), or where ``build``'s function is not one
+    ``micro_grad`` made: then ``"auto"`` is timed too."""
     fun = _built(search.build, candidate.microbatch_size, candidate.gather_params, "auto")
     args, kwargs = search.example
     try:
         with search.under_mesh():
-            return clipping_report(fun, *args, **kwargs).method in CLIP.values[1:]
+            method = clipping_report(fun, *args, **kwargs).method
     except TypeError:
-        return False
+        return None
+    return method if method in CLIP.values[1:] else None
 
 
 def _alike(a: _Candidate, b: _Candidate, clip: bool = True) -> bool:
@@ -1100,10 +1114,14 @@ class _Timing:
         for the call is none of the named methods (nothing to clip: the plain sum)."""
         build, gathers = self.search.build, self.search.gathers
         clips = CLIP.tried(build)
-        if clips[0] is not None and _auto_is_named(
-            self.search, _Candidate(build, m, gathers[0], "auto")
-        ):
-            clips = clips[1:]
+        if clips[0] is not None:
+            named = _auto_is_named(self.search, _Candidate(build, m, gathers[0], "auto"))
+            if named is not None:
+                clips = clips[1:]
+                self.search.report.write(
+                    f"plan: microbatch_size={m}, clip_method='auto' chooses {named!r} "
+                    "for this call: timed as such\n"
+                )
         return [_Candidate(build, m, g, c) for g in gathers for c in clips]
 
     def fastest(self, top: int) -> tuple[_Candidate, dict[_Candidate, float]]:
@@ -1124,7 +1142,7 @@ class _Timing:
                     continue
                 self._call(candidate)  # the warm-up: first-call costs are not the step's
                 samples[candidate] = [self._call(candidate)]
-                report.write(f"plan [time] {candidate}: {samples[candidate][0]:.3g} s\n")
+                report.write(f"plan [time] {candidate}: {_duration(samples[candidate][0])}\n")
                 close |= samples[candidate][0] <= _SLOWER * min(t[0] for t in samples.values())
                 timed = True
             if late:
@@ -1156,10 +1174,14 @@ class _Timing:
             alive = [c for c in alive if medians[c] <= _SLOWER * medians[fastest]]
             report.write(
                 f"plan [round {r + 1}/{self.repeats}] fastest so far: {fastest}, "
-                f"{medians[fastest]:.3g} s\n"
+                f"{_duration(medians[fastest])}\n"
             )
         seconds = {c: float(np.median(t)) for c, t in samples.items()}
-        return min(contenders, key=seconds.__getitem__), seconds
+        chosen = min(contenders, key=seconds.__getitem__)
+        calls = len(samples[chosen])
+        report.write(f"plan: the fastest is {chosen}, {_duration(seconds[chosen])} ")
+        report.write(f"(the median of {calls} call{'s' if calls > 1 else ''})\n")
+        return chosen, seconds
 
 
 def _built(

@@ -424,7 +424,6 @@ class Scaled:
     factors: tuple[Key, ...]
     groups: tuple[int, ...]
     keys: tuple[Key, ...]
-    dtypes: tuple[Any, ...]
     drops: bool
     plain: bool
     rest: Callable[[PyTree], PyTree]
@@ -575,10 +574,7 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
         f"{distinct} factor{'s' if distinct > 1 else ''}): its code runs on each "
         "example's norms, and the sum is l2_clip_norm's with those factors"
     )
-    dtypes = tuple(g.dtype for g in leaves)
-    return Scaled(
-        reader, tuple(factors), tuple(groups), tuple(keys), dtypes, drops, plain, rest, described
-    )
+    return Scaled(reader, tuple(factors), tuple(groups), tuple(keys), drops, plain, rest, described)
 
 
 # --- the clipping it gives ------------------------------------------------------------
@@ -649,20 +645,3 @@ class Scaling(_clipping.Clipping):
             finite = jnp.all(jnp.isfinite(norms), axis=1, keepdims=True)
             scale = jnp.where(finite, scale, jnp.zeros((), scale.dtype))
         return scale
-
-    def per_leaf(self, norms: jax.Array, grads: PyTree) -> list[jax.Array]:
-        groups, bounds = self.groups(grads)
-        scale = self.factors(norms, groups, bounds)
-        return [scale[:, g] for g in groups]
-
-    def clip(self, grads: PyTree) -> PyTree:
-        leaves, structure = jax.tree.flatten(grads)
-        norms = _clipping.leaf_norms(jax.tree.map(lambda g: jnp.asarray(g)[None], grads), 1, False)
-        scales = self.per_leaf(norms, grads)
-        scaled = [g * s[0].astype(g.dtype) for g, s in zip(leaves, scales, strict=True)]
-        if self.nan_safe:
-            scaled = [
-                jnp.where(s[0] != 0, c, jnp.zeros((), c.dtype))
-                for c, s in zip(scaled, scales, strict=True)
-            ]
-        return jax.tree.unflatten(structure, scaled)
