@@ -76,6 +76,7 @@ def table(batch: int, layers: int, dim: int, tokens: int, reps: int) -> str:
         f"## Example LM: {layers} blocks, width {dim}, {tokens} tokens, batch {batch}, Adam step"
     )
     picks: dict[str, tuple[int | None, int, float]] = {}
+    shown = ""
     for pick in ("fastest", "largest"):
         counted, built = compiles(build)
         start = time.perf_counter()
@@ -84,7 +85,7 @@ def table(batch: int, layers: int, dim: int, tokens: int, reps: int) -> str:
         )
         picks[pick] = (found.microbatch_size, len(built) - 1, time.perf_counter() - start)
         if pick == "fastest":
-            print(found, flush=True)
+            shown = str(found)
     seconds = interleaved({str(m): build(m) for m in sizes}, args, reps)
     medians = {m: float(np.median(seconds[str(m)])) for m in sizes}
     best = min(medians, key=medians.__getitem__)
@@ -111,7 +112,12 @@ def table(batch: int, layers: int, dim: int, tokens: int, reps: int) -> str:
     lines += [
         "",
         f"The fastest size, timed independently after the plans: {best}. The memory budget "
-        "is unlimited, so every size fits and `largest` takes the largest.",
+        "is unlimited, so every size fits and `largest` takes the largest. The table that "
+        '`plan(pick="fastest")` returned, with its own times:',
+        "",
+        "```text",
+        shown,
+        "```",
     ]
     return "\n".join(lines)
 
