@@ -208,11 +208,11 @@ def test_clipped_statistics_of_the_api_reference(small, small_grads):
 
 def test_beside_l2_clip_norm_and_metrics(small, small_grads):
     """``l2_clip_norm`` first, then the transform's own scaling of the clipped gradient;
-    the norms and a metric that needs the gradients, as the per-example path gives them."""
+    the norms, by ``l2_norm`` and by a metric read as a function of the norms."""
     fn = grad_fn(small, normalised, accumulator=SUM, l2_clip_norm=1.5,
                  metrics_fn=optax.tree.norm)  # fmt: skip
     report = microbatching.clipping_report(fn, small.params, *small.batch)
-    assert report.reason.startswith(SCALED), report.reason
+    assert report.reason.startswith(f"{NORMS_READ}; {SCALED}"), report.reason
     got, aux = jax.jit(fn)(small.params, *small.batch)
     want = reference(small_grads, normalised, clip=1.5, mean=False)
     assert_close(got, want, terms=2, factor=4)
@@ -512,3 +512,136 @@ def test_an_integer_literal_beyond_float64_s_integers_is_exact(small, small_grad
 
     got, _ = grad_fn(small, transform)(small.params, *small.batch)
     assert_close(got, reference(small_grads, transform), terms=2, factor=4)
+
+
+# --- a metrics_fn that reads only norms ------------------------------------------------
+
+NORMS_READ = "metrics_fn read as a function of the norms (its code runs on them)"
+
+METRICS = {
+    "optax.tree.norm": optax.tree.norm,
+    "squared": lambda g: optax.tree.norm(g, squared=True),
+    "per leaf": lambda g: jax.tree.map(jnp.linalg.norm, g),
+    "clipped and squared": lambda g: (global_norm(g) > C, jnp.minimum(global_norm(g), C) ** 2),
+    "a constant beside": lambda g: {"n": optax.tree.norm(g), "one": jnp.ones(3)},
+}
+
+
+def metric_fn(model: Model, metric: Any, transform: Any = None, **options: Any) -> Any:
+    options = {"microbatch_size": MICROBATCH, "accumulator": SUM, **options}
+    if transform is not None:
+        options["transform_fn"] = transform
+    return micro_grad(
+        model.loss,
+        batch_argnums=tuple(range(1, 1 + len(model.batch))),
+        keep_batch_dim=model.keep_batch_dim,
+        metrics_fn=metric,
+        **options,
+    )
+
+
+def per_example_metrics(metric: Any, grads: Any, clip: Any = None) -> Any:
+    """``metric`` of each example's gradient (before any clipping: ``metrics_fn`` sees
+    the gradient as it is); ``clip`` is only checked to be unused."""
+    del clip
+    return jax.vmap(metric)(grads)
+
+
+@pytest.mark.parametrize("name", list(METRICS))
+@pytest.mark.parametrize("clip", [None, 1.5], ids=["unclipped", "clipped"])
+def test_a_metric_of_the_norms_forms_no_gradient(name, clip, small, small_grads):
+    """``metrics_fn=optax.tree.norm`` and the like: read off its program, computed from
+    the norms the ghost path takes, equal to the metric of each example's gradient."""
+    metric = METRICS[name]
+    fn = metric_fn(small, metric, l2_clip_norm=clip)
+    report = microbatching.clipping_report(fn, small.params, *small.batch)
+    assert report.method == "ghost", report
+    assert report.reason.startswith(NORMS_READ), report.reason
+    got, aux = jax.jit(fn)(small.params, *small.batch)
+    want = reference(small_grads, lambda g: g, clip=clip, mean=False)
+    assert_close(got, want, terms=2, factor=4)
+    assert_close(aux.metrics, per_example_metrics(metric, small_grads), terms=2, factor=2)
+
+
+def test_a_metric_of_the_norms_beside_a_transform_and_weights(small, small_grads):
+    """Beside the clipping ``transform_fn`` and its clipped statistics, with weights and
+    a remainder: no gradient formed, the metrics those of the unclipped gradients (a
+    weight-0 example's are 0, as on every path)."""
+    rows = small.batch[0].shape[0]
+    weights = jnp.asarray(np.arange(rows) % 3, jnp.float32)
+
+    def moments(g: Any) -> Any:
+        c = clip(g)
+        return c, jax.tree.map(jnp.square, c)
+
+    metric = optax.tree.norm
+    for transform, method in ((clip, "ghost"), (moments, "statistics")):
+        fn = metric_fn(small, metric, transform, microbatch_size=3, allow_remainder=True)
+        report = microbatching.clipping_report(fn, small.params, *small.batch)
+        assert report.method == method, report
+        assert report.reason.startswith(NORMS_READ), report.reason
+        got, aux = jax.jit(fn)(small.params, *small.batch, example_weights=weights)
+        want = reference(small_grads, transform, weights=weights, mean=False)
+        assert_close(got, want, terms=3, factor=4)
+        kept = jnp.where(weights != 0, per_example_metrics(metric, small_grads), 0.0)
+        assert_close(aux.metrics, kept, terms=2, factor=2)
+
+
+def test_a_metric_that_reads_more_than_norms_forms_the_gradients_and_says_why(small):
+    """A maximum, an L1 norm: the per-example path, exact, and the report says what the
+    metric reads. (A metric linear in the gradient, an entry or the gradient itself, is
+    the statistics method's: ``tests/test_statistics.py``.)"""
+    misses = {
+        "max": (lambda g: jnp.max(jnp.abs(g["dense1"]["kernel"])), "through `reduce_max`"),
+        "l1": (lambda g: sum(jnp.sum(jnp.abs(x)) for x in jax.tree.leaves(g)), "`reduce_sum`"),
+    }
+    grads = per_example_grads(small)
+    for metric, said in misses.values():
+        fn = metric_fn(small, metric, l2_clip_norm=1.5)
+        report = microbatching.clipping_report(fn, small.params, *small.batch)
+        assert report.method == "materialize", report
+        assert said in report.reason, report.reason
+        assert report.reason.startswith(
+            "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
+            "gives the norms without them): its output"
+        ), report.reason
+        _, aux = jax.jit(fn)(small.params, *small.batch)
+        assert_close(aux.metrics, per_example_metrics(metric, grads), terms=2)
+
+
+def test_a_metric_of_the_norms_asked_with_a_named_method_is_refused_at_wrap_time(small):
+    """Read at call time, so a method named at wrap time keeps its check."""
+    with pytest.raises(ValueError, match="which needs each example's gradient; the ghost"):
+        metric_fn(small, optax.tree.norm, l2_clip_norm=1.0, clip_method="ghost")
+
+
+def test_derivatives_through_a_metric_of_the_norms_are_jax_s(small):
+    """``jax.grad`` of the summed metrics with respect to the parameters: the metric's
+    code runs on norms that are the loss's own functions of them."""
+
+    def ours(params: Any) -> jax.Array:
+        fn = metric_fn(small, optax.tree.norm, l2_clip_norm=1.5)
+        return jnp.sum(fn(params, *small.batch)[1].metrics)
+
+    def theirs(params: Any) -> jax.Array:
+        return jnp.sum(jax.vmap(optax.tree.norm)(per_example_grads(small, params)))
+
+    assert_close(jax.grad(ours)(small.params), jax.grad(theirs)(small.params), terms=4, factor=4)
+
+
+def test_a_metric_of_the_norms_on_a_mesh_keeps_the_per_example_path(small):
+    x, y = (jnp.concatenate([a] * 4) for a in small.batch)
+    model = dataclass_with_batch(small, (x, y))
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(AxisType.Auto,))
+    fn = metric_fn(model, optax.tree.norm, microbatch_size=8, batch_mesh_axes="data")
+    with jax.set_mesh(mesh):
+        xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+        _, aux = jax.jit(fn)(model.params, xs, ys)
+        report = microbatching.clipping_report(fn, model.params, xs, ys)
+    assert report.method in ("chunked", "materialize"), report
+    assert report.reason.endswith(
+        "(metrics_fn=microbatching.l2_norm gives the norms without them): the batch is "
+        "split over a mesh, where the per-example path is kept for now"
+    ), report.reason
+    want = per_example_metrics(optax.tree.norm, per_example_grads(model))
+    assert_close(aux.metrics, want, terms=2)

@@ -122,7 +122,9 @@ def micro_grad(
         per example in ``Aux.metrics``, so keep it small (a norm, a sign...). A
         ``metrics_fn`` linear in the gradient (a dot product with a reference
         gradient, a fixed projection) is read the same way, from one more product per
-        layer.
+        layer; one that reads the gradient only through squared norms
+        (``optax.tree.norm``, ``jnp.linalg.norm`` per leaf) runs on each example's
+        norms, as a clipping ``transform_fn`` does.
       num_real_microbatches: See ``microbatch``.
       l2_clip_norm: If set, each example's gradient is first scaled by
         ``min(1, l2_clip_norm / ||g_b||)``, its L2 norm taken over the whole gradient
@@ -130,11 +132,11 @@ def micro_grad(
         prefix of the gradient clips each subtree by its own norm and bound (per-layer
         clipping). A traced value (``micro_grad`` built inside ``jit``) changes without
         recompiling. With the default ``transform_fn``, SUM or MEAN, and ``metrics_fn``
-        left out or ``l2_norm``, the clipped sum can be formed without the per-example
-        gradients; ``clip_method`` says how the norms and the sum are computed, and
-        ``clipping_report`` which method a call takes (a ``metrics_fn`` other than
-        ``l2_norm`` needs each example's gradient). ``metrics_fn`` sees the gradients
-        before clipping.
+        left out or a function of the norms (``l2_norm``), the clipped sum can be
+        formed without the per-example gradients; ``clip_method`` says how the norms and the sum are computed, and
+        ``clipping_report`` which method a call takes (a ``metrics_fn`` that reads
+        more than norms needs each example's gradient). ``metrics_fn`` sees the
+        gradients before clipping.
       rescale_to_unit_norm: With ``l2_clip_norm``, divide each clipped gradient by its
         bound, so that every example contributes a norm of at most 1.
       normalize_by: With ``l2_clip_norm``, divide the clipped gradients by this.

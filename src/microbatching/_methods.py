@@ -58,7 +58,7 @@ class Method:
         per example: exact only where ``_summed_is_exact`` says so, with one bound for
         the whole gradient, and NaN for an example whose loss is not finite.
       forms_gradients: Whether it forms each example's gradient, which a ``metrics_fn``
-        other than ``l2_norm`` needs.
+        that reads more than their norms needs.
       ghost_norms: Whether its norms are the ghost norms read off the traced program;
         else they are those of the per-example gradients (``kept`` reads the same ones).
     """
@@ -143,7 +143,7 @@ def _two_pass(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> An
     if sums.clipping is not None:
         params = [args[i] for i in sums.example.nums()]
         factors = sums.clipping.per_leaf(norms, params)[0]
-    measured = _clipping.row_norms(norms, norms.shape[0]) if sums.norms_only else None
+    measured = sums.of_norms(norms)
     return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
 
 
@@ -305,8 +305,10 @@ class GradRequest:
 
     @property
     def gradient_metrics(self) -> bool:
-        """Whether ``metrics_fn`` needs each example's gradient (not ``l2_norm``)."""
-        return self.metrics not in (_per_example.no_metrics, _per_example.l2_norm)
+        """Whether ``metrics_fn`` may need each example's gradient: not ``l2_norm``, nor
+        a function of the norms already read (``_scaled.NormsMetric``)."""
+        known = (_per_example.no_metrics, _per_example.l2_norm)
+        return self.metrics not in known and not isinstance(self.metrics, _scaled.NormsMetric)
 
     def sums(self, settings: Settings | None = None) -> Sums:
         """What the summed path's steps read, for ``settings`` (default: the call's)."""
@@ -318,7 +320,7 @@ class GradRequest:
     def gathers_for_norms(self) -> bool:
         """Whether the norms may be read off the program (``auto``, ``ghost``,
         ``two_pass``), which reads every parameter on every shard of the batch."""
-        wanted = self.clipping is not None or self.metrics is _per_example.l2_norm
+        wanted = self.clipping is not None or self.sums().norms_only
         return self.summed and wanted and self.method in ("auto", "ghost", "two_pass")
 
     def check(self) -> None:
@@ -343,6 +345,8 @@ class GradPlan:
         (``ClippingReport.predicted``).
       clipping: The clipping the step takes in place of the call's ``l2_clip_norm``: a
         ``transform_fn`` read as a scaling by a function of the norms (``_scaled``).
+      metrics: The ``metrics_fn`` the step takes in place of the call's: one read as a
+        function of the norms (``_scaled.NormsMetric``), or None.
     """
 
     method: Method
@@ -353,6 +357,7 @@ class GradPlan:
     reading: _statistics.Reading | None = None
     predicted: tuple[tuple[str, int], ...] = ()
     clipping: _clipping.Clipping | None = None
+    metrics: _scaled.NormsMetric | None = None
 
     def report(self) -> ClippingReport:
         """The plan as ``clipping_report`` shows it."""
@@ -439,6 +444,17 @@ def plan(
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
         return each(MATERIALIZE, "per-example", "the batch is empty")
+    unread = None
+    if request.gradient_metrics and asked == "auto":
+        measured = _norms_metric(request, args, layout, sharded)
+        if isinstance(measured, _scaled.NormsMetric):
+            inner = dataclasses.replace(request, metrics=measured)
+            found = plan(inner, args, kwargs, layout, sharded)
+            if found.method.forms_gradients:
+                return found
+            read = "metrics_fn read as a function of the norms (its code runs on them)"
+            return dataclasses.replace(found, metrics=measured, reason=f"{read}; {found.reason}")
+        unread = measured
     if not request.summed:
         return _per_example_plan(request, args, kwargs, layout, sharded, each)
     if asked == "statistics":
@@ -478,6 +494,8 @@ def plan(
             "metrics_fn needs each example's gradient (metrics_fn=microbatching.l2_norm "
             "gives the norms without them)"
         )
+        if unread is not None:
+            why += f": {unread}"
         return each(_forming(request, exact), "per-example", why)
     program = _per_example.read_program(sums, args, kwargs)
     if isinstance(program, str):
@@ -500,6 +518,16 @@ def plan(
     why = _ASKED if asked != "auto" else "the ghost norms read this loss"
     method = TWO_PASS if asked == "two_pass" else GHOST
     return GradPlan(method, f"{why}: {costs}", leaves, layout=layout, predicted=predicted)
+
+
+def _norms_metric(
+    request: GradRequest, args: tuple[Any, ...], layout: _fsdp.Layout | None, sharded: bool
+) -> _scaled.NormsMetric | str:
+    """``metrics_fn`` read as a function of each example's norms, or why not."""
+    if sharded or layout is not None:
+        return "the batch is split over a mesh, where the per-example path is kept for now"
+    grads = _per_example.gradient_shapes(request.example, args)
+    return _scaled.read_metric(request.metrics, grads)
 
 
 def _forming(request: GradRequest, exact: Callable[[], bool]) -> Method:
@@ -642,7 +670,7 @@ def _statistics_plan(
     if isinstance(program, str):
         return Declined(program)
     grads = _per_example.gradient_shapes(request.example, args)
-    norms = request.metrics is _per_example.l2_norm
+    norms = sums.norms_only
     reading = _statistics.read(
         request.transform,
         sums.metrics,
@@ -736,6 +764,8 @@ def summed(request: GradRequest, accumulators: Any, settings: Settings) -> Calla
         here = sums if plan.reading is None else dataclasses.replace(sums, reading=plan.reading)
         if plan.clipping is not None:
             here = dataclasses.replace(here, clipping=plan.clipping)
+        if plan.metrics is not None:
+            here = dataclasses.replace(here, metrics=plan.metrics)
         with jax.named_scope("micro_grad_step"):
             first = _per_example.first_batched(axes, args, kwargs)
             rows = first.shape[0]

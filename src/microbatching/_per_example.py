@@ -31,6 +31,7 @@ from . import (
     _layout,
     _primitives,
     _programs,
+    _scaled,
     _sharding,
     _signature,
     _statistics,
@@ -350,8 +351,18 @@ class Sums:
 
     @property
     def norms_only(self) -> bool:
-        """Whether the metrics are the norms (``l2_norm``), which need no gradient."""
-        return self.metrics is l2_norm
+        """Whether the metrics need no gradient: the norms (``l2_norm``), or a function
+        of the norms read off ``metrics_fn``'s program (``_scaled.NormsMetric``)."""
+        return self.metrics is l2_norm or isinstance(self.metrics, _scaled.NormsMetric)
+
+    def of_norms(self, norms: jax.Array) -> Any:
+        """The per-example metrics from each example's norms per leaf ``(rows, leaves)``
+        where they need no gradient (``norms_only``), else None."""
+        if self.metrics is l2_norm:
+            return _clipping.row_norms(norms, norms.shape[0])
+        if isinstance(self.metrics, _scaled.NormsMetric):
+            return self.metrics.of_norms(norms)
+        return None
 
     def losses(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The ``(values, aux)`` of a microbatch, one row per example."""
@@ -654,7 +665,7 @@ def ghost(
     total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked, kept)
     grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
-    measured = _clipping.row_norms(norms, rows) if sums.norms_only else None
+    measured = sums.of_norms(norms)
     return _kept(grads, Aux(seen.outs[0], measured, aux), given)
 
 
@@ -701,7 +712,7 @@ def statistics(
     if reading.metric_outputs:
         measured = _statistics.metric_values(reading, program, params, tree, seen)
     elif reading.norms and norms is not None:
-        measured = _clipping.row_norms(norms, rows)
+        measured = sums.of_norms(norms)
     else:
         measured = None
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])

@@ -434,14 +434,7 @@ class Scaled:
         leaf ``(rows, leaves)``."""
 
         def one(row: jax.Array) -> list[jax.Array]:
-            inputs = {}
-            for node in self.reader.nodes.values():
-                for k in node[2]:
-                    if k[0] == "sq":
-                        inputs[k] = row[k[1]].astype(k[2])
-            for k in self.keys:
-                if k[0] == "sq":
-                    inputs[k] = row[k[1]].astype(k[2])
+            inputs = _inputs(self.reader, self.keys, row)
             out = []
             for k in self.keys:
                 value = evaluate(self.reader, k, inputs)
@@ -459,36 +452,63 @@ def _fresh(fn: Callable[[PyTree], PyTree]) -> Callable[[PyTree], PyTree]:
     return lambda g: fn(g)
 
 
+@dataclasses.dataclass
+class _Walked:
+    """A function of one example's gradient, traced and read value by value."""
+
+    reader: _Reader
+    eqns: list[_Eqn]
+    outs: list[_Ref]
+    known: dict[_Ref, Any]
+    shape: Any
+    value: dict[_Ref, _V]
+    uses: dict[_Ref, list[_V]]
+    why: str | None
+    """Why an operation that reads the gradient is none of the forms, where one is not."""
+
+    def of(self, ref: _Ref) -> _V:
+        if ref not in self.value:
+            self.value[ref] = self.reader.const(ref)
+        return self.value[ref]
+
+
+def _walk(fn: Callable[[PyTree], PyTree], grads: PyTree) -> _Walked:
+    """``fn`` traced at one example's gradient ``grads`` (shapes), each value read."""
+    closed, shape = jax.make_jaxpr(_fresh(fn), return_shape=True)(grads)
+    given = [_Ref(v.aval) for v in closed.jaxpr.invars]
+    eqns, outs, known = _flatten(closed, given)
+    value: dict[_Ref, _V] = {ref: _V("grad", i) for i, ref in enumerate(given)}
+    walked = _Walked(_Reader(known), eqns, outs, known, shape, value, {}, None)
+    for q in eqns:
+        ins = [walked.of(r) for r in q.ins]
+        found = walked.reader.step(q, ins)
+        for r, v in zip(q.outs, found, strict=True):
+            value[r] = v
+        for r in q.ins:
+            walked.uses.setdefault(r, []).extend(found)
+        if walked.why is None and any(v.kind == "other" for v in found):
+            reads = [v for v in ins if v.kind in ("grad", "flat", "abs", "square")]
+            if reads:
+                walked.why = (
+                    f"it reads gradient leaf {reads[0].leaf} through `{q.eqn.primitive.name}`"
+                )
+    return walked
+
+
 def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str | None:
     """The reading of ``transform`` at one example's gradient ``grads`` (shapes) as a
     function of the scaled gradient; None where it scales nothing (no factor reads a
     norm: the statistics method reads it as it is), or why it is not of that form."""
     leaves, structure = jax.tree.flatten(grads)
-    closed, shape = jax.make_jaxpr(_fresh(transform), return_shape=True)(grads)
-    given = [_Ref(v.aval) for v in closed.jaxpr.invars]
-    eqns, outs, known = _flatten(closed, given)
-    reader = _Reader(known)
-    value: dict[_Ref, _V] = {ref: _V("grad", i) for i, ref in enumerate(given)}
-    uses: dict[_Ref, list[_V]] = {}
-    why = None
-
-    def of(ref: _Ref) -> _V:
-        if ref in value:
-            return value[ref]
-        value[ref] = v = reader.const(ref)
-        return v
-
-    for q in eqns:
-        ins = [of(r) for r in q.ins]
-        found = reader.step(q, ins)
-        for r, v in zip(q.outs, found, strict=True):
-            value[r] = v
-        for r in q.ins:
-            uses.setdefault(r, []).extend(found)
-        if why is None and any(v.kind == "other" for v in found):
-            reads = [v for v in ins if v.kind in ("grad", "flat", "abs", "square")]
-            if reads:
-                why = f"it reads gradient leaf {reads[0].leaf} through `{q.eqn.primitive.name}`"
+    walked = _walk(transform, grads)
+    reader, eqns, outs, known, shape = (
+        walked.reader,
+        walked.eqns,
+        walked.outs,
+        walked.known,
+        walked.shape,
+    )
+    value, uses, why = walked.value, walked.uses, walked.why
     if not reader.uses_norms:
         return None
     # The scaled value of each leaf that the rest reads first: the cut.
@@ -575,6 +595,77 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
         "example's norms, and the sum is l2_clip_norm's with those factors"
     )
     return Scaled(reader, tuple(factors), tuple(groups), tuple(keys), drops, plain, rest, described)
+
+
+def _inputs(reader: _Reader, keys: Sequence[Key], row: jax.Array) -> dict[Key, Any]:
+    """The squared norms that ``keys`` read, from one example's ``row`` of squared norms
+    per leaf, each in the dtype the program computed it in."""
+    found: dict[Key, Any] = {}
+    seen: set[Key] = set()
+    stack = list(keys)
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        if k[0] == "sq":
+            found[k] = row[k[1]].astype(k[2])
+        elif k[0] == "op":
+            stack.extend(k[3])
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class NormsMetric:
+    """A ``metrics_fn`` whose every output is a function of the example's squared norms
+    (``optax.tree.norm``, ``jnp.linalg.norm`` of a leaf, whether a norm exceeds a
+    bound), read off its program as a transform's factors are: the step computes it from
+    the norms it takes for the clipping, by binding the user's own primitives to them.
+    Called on a gradient, it is the user's function (for the paths that form them)."""
+
+    fn: Callable[[PyTree], PyTree]
+    reader: _Reader
+    keys: tuple[Key, ...]
+    avals: tuple[Any, ...]
+    structure: Any
+
+    def __call__(self, grads: PyTree) -> PyTree:
+        return self.fn(grads)
+
+    def of_norms(self, norms: jax.Array) -> PyTree:
+        """Each example's metrics, stacked on axis 0, from its norms per leaf
+        ``(rows, leaves)``."""
+
+        def one(row: jax.Array) -> list[jax.Array]:
+            inputs = _inputs(self.reader, self.keys, row)
+            return [
+                jnp.broadcast_to(
+                    jnp.asarray(evaluate(self.reader, k, inputs)).astype(a.dtype), a.shape
+                )
+                for k, a in zip(self.keys, self.avals, strict=True)
+            ]
+
+        return jax.tree.unflatten(self.structure, jax.vmap(one)(jnp.square(norms)))
+
+
+def read_metric(metrics: Callable[[PyTree], PyTree], grads: PyTree) -> NormsMetric | str:
+    """``metrics`` read at one example's gradient ``grads`` (shapes) as a function of
+    its squared norms alone, or why it is not one."""
+    walked = _walk(metrics, grads)
+    keys = []
+    for path, ref in zip(leaf_paths(walked.shape), walked.outs, strict=True):
+        v = walked.of(ref)
+        if v.kind not in ("uniform", "const") or v.key is None:
+            if v.kind in ("grad", "scaled"):
+                reason = "it returns the gradient's entries"
+            else:
+                reason = walked.why or "it reads the gradient other than through its norms"
+            where = f" {path}" if path else ""
+            return f"its output{where} is not a function of the gradient's norms: {reason}"
+        keys.append(v.key)
+    avals = tuple(r.aval for r in walked.outs)
+    structure = jax.tree.structure(walked.shape)
+    return NormsMetric(metrics, walked.reader, tuple(keys), avals, structure)
 
 
 # --- the clipping it gives ------------------------------------------------------------
