@@ -133,10 +133,10 @@ def micro_grad(
         clipping). A traced value (``micro_grad`` built inside ``jit``) changes without
         recompiling. With the default ``transform_fn``, SUM or MEAN, and ``metrics_fn``
         left out or a function of the norms (``l2_norm``), the clipped sum can be
-        formed without the per-example gradients; ``clip_method`` says how the norms and the sum are computed, and
-        ``clipping_report`` which method a call takes (a ``metrics_fn`` that reads
-        more than norms needs each example's gradient). ``metrics_fn`` sees the
-        gradients before clipping.
+        formed without the per-example gradients; ``clip_method`` says how the norms
+        and the sum are computed, and ``clipping_report`` which method a call takes (a
+        ``metrics_fn`` that reads more than norms needs each example's gradient).
+        ``metrics_fn`` sees the gradients before clipping.
       rescale_to_unit_norm: With ``l2_clip_norm``, divide each clipped gradient by its
         bound, so that every example contributes a norm of at most 1.
       normalize_by: With ``l2_clip_norm``, divide the clipped gradients by this.
