@@ -215,7 +215,7 @@ class Plan:
         if any(not row.compiled for row in self.table):
             footer += " ~ predicted from the compiled rows."
         if any(row.seconds is not None for row in self.table):
-            footer += " time: median of one call, timed on the example arrays."
+            footer += " time: the median time of a call, on the example arrays."
         prime = self.batch_size > 2 and _is_prime(self.batch_size) and not self.allow_remainder
         note = [f"  {_prime(self.batch_size)}; {_REMAINDER_FIX}"] if prime else []
         return "\n".join([header, *_render(self.table, chosen), footer, *note])
@@ -422,18 +422,20 @@ def _max_seconds(max_seconds: Any) -> float | None:
     return value
 
 
+def _positive_int(name: str, value: Any, allowed: str, fix: str) -> int:
+    """``value`` as an int, or a ``TypeError`` (not an int) or ``ValueError`` (below 1)
+    naming ``name``, what it may be (``allowed``) and the ``fix``."""
+    if not _checks.is_int(value):
+        raise TypeError(f"{name} must be {allowed}, got {name}={value!r}; {fix}")
+    if operator.index(value) < 1:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}; {fix}")
+    return operator.index(value)
+
+
 def _repeats(repeats: Any) -> int:
-    if not _checks.is_int(repeats):
-        raise TypeError(
-            f"repeats must be a positive int, got {repeats=}; pass e.g. repeats=5 rounds "
-            "of timed calls."
-        )
-    if operator.index(repeats) < 1:
-        raise ValueError(
-            f"repeats must be a positive int, got {repeats=}; pass e.g. repeats=5 rounds "
-            "of timed calls."
-        )
-    return operator.index(repeats)
+    return _positive_int(
+        "repeats", repeats, "a positive int", "pass e.g. repeats=5 rounds of timed calls."
+    )
 
 
 def _ensure_arrays(labels: list[str], args: Any, kwargs: Any) -> None:
@@ -552,17 +554,12 @@ def _batch_size(
 
 
 def _ensure_batch_size(batch_size: Any) -> int:
-    if not _checks.is_int(batch_size):
-        raise TypeError(
-            f"batch_size must be a positive int or None, got {batch_size=}; pass the size "
-            "of the batch axis, e.g. batch_size=256."
-        )
-    if operator.index(batch_size) < 1:
-        raise ValueError(
-            f"batch_size must be a positive int, got {batch_size=}; pass the size of the "
-            "batch axis, e.g. batch_size=256."
-        )
-    return operator.index(batch_size)
+    return _positive_int(
+        "batch_size",
+        batch_size,
+        "a positive int or None",
+        "pass the size of the batch axis, e.g. batch_size=256.",
+    )
 
 
 def _leading_size(labels: list[str], specs: list[jax.ShapeDtypeStruct]) -> int:
@@ -970,7 +967,11 @@ class _Search:
             return None
         x = self._x(candidate.microbatch_size)
         nearest = min(points, key=lambda p: abs(p[0] - x))[1]
-        temp = max(0, round(_line([(px, m.temp_bytes) for px, m in points], x, True)))
+        slope = self._slope(candidate, points[0][0], x) if len(points) == 1 else None
+        if slope is not None:  # one size of its own: another series' slope through it
+            temp = max(0, round(points[0][1].temp_bytes + slope * (x - points[0][0])))
+        else:
+            temp = max(0, round(_line([(px, m.temp_bytes) for px, m in points], x, True)))
         # flops: the whole batch's, plus a cost per loop iteration: a line in their count
         known = [(m.num_microbatches, m.flops) for _, m in points if m.flops is not None]
         n = 1 if candidate.microbatch_size is None else -(-self.batch_size // x)
@@ -986,6 +987,23 @@ class _Search:
             clip_method=candidate.clip_method,
             compiled=False,
         )
+
+    def _slope(self, candidate: _Candidate, at: int, x: int) -> float | None:
+        """The temp bytes per example between sizes ``at`` and ``x`` of the series
+        (another ``gather_params`` or ``clip_method``) compiled at the most sizes, two or
+        more; None where there is none. A series compiled at one size alone is otherwise
+        predicted in proportion to the size, which misses what does not grow with it (the
+        parameters gathered once)."""
+        series: dict[tuple[Any, Any], list[tuple[int, int]]] = {}
+        for c, m in self.measured.items():
+            if c.build is candidate.build and not _alike(c, candidate):
+                key = (c.gather_params, c.clip_method)
+                series.setdefault(key, []).append((self._x(c.microbatch_size), m.temp_bytes))
+        best = max(series.values(), key=len, default=[])
+        if len({px for px, _ in best}) < 2 or x == at:
+            return None
+        points = sorted(dict(best).items())
+        return (_line(points, x, False) - _line(points, at, False)) / (x - at)
 
     def program(self, candidate: _Candidate) -> jax.stages.Compiled:
         """The candidate's compiled program: kept, or compiled now (its measurement came
@@ -1047,8 +1065,10 @@ def _alike(a: _Candidate, b: _Candidate, clip: bool = True) -> bool:
 
 def _line(points: Sequence[tuple[int, float]], x: int, proportional: bool) -> float:
     """The value at ``x`` of the line through the nearest points around it (through the
-    two nearest on one side, beyond them); from one point, in proportion to ``x`` where
-    ``proportional``, else the same value."""
+    two nearest on one side, beyond them). From one point, the same value; where
+    ``proportional`` (a memory that grows with the size), above it in proportion to
+    ``x``: from one point either is a bound, not a fit (below it, the memory of a
+    smaller size is at most that point's; above, it grows at most in proportion)."""
     same = [v for px, v in points if px == x]
     if same:
         return same[0]
@@ -1062,7 +1082,7 @@ def _line(points: Sequence[tuple[int, float]], x: int, proportional: bool) -> fl
         (x0, y0), (x1, y1) = above[0], above[1]
     else:
         px, v = points[0]
-        return v * x / px if proportional else v
+        return v * x / px if proportional and x > px else v
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
