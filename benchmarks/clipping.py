@@ -16,10 +16,11 @@ repetitions in one process (medians of per-repetition ratios, with quartiles), a
 ``accumulation.py``. A way whose first call (the warm-up) takes over ``LIMIT_S`` seconds is
 not timed. Every clipped sum is checked against ``vmap(grad)``.
 
-A last part times the clipping as people write it in ``transform_fn`` (``FORMS``) against
-``l2_clip_norm`` (issue 50). ``--device`` (``make bench-device``) runs the forms and each
-workload at microbatch 64 only, every repetition timed, into ``device/CLIPPING.md``: a
-run that fits a few minutes on an accelerator. Its figures describe the commit and the
+A last part times the clipping as people write it in ``transform_fn`` (``FORMS``), and
+``metrics_fn=optax.tree.norm`` beside it, against ``l2_clip_norm`` (issue 50).
+``--device`` (``make bench-device``) runs the forms and each workload at microbatch 64
+only, every repetition timed, into ``device/CLIPPING.md``: a run that fits a few minutes
+on an accelerator. Its figures describe the commit and the
 device they were taken on (the header says which); ``make bench`` does not rewrite them.
 
 Usage: ``python benchmarks/clipping.py [--quick] [--device] [--reps N] [--output PATH]``.
@@ -533,6 +534,9 @@ FORMS: dict[str, Callable[[Any], Any]] = {
 }
 """The clipping forms people write as ``transform_fn`` (issue 50), bound ``C = 1``."""
 
+NORM_METRIC = "none: `l2_clip_norm` and `metrics_fn=optax.tree.norm`"
+"""A row of the forms table: the norms as optax computes them, beside ``l2_clip_norm``."""
+
 
 def forms_table(w: Workload, size: int, reps: int) -> str:
     """Each form of ``FORMS`` as ``micro_grad``'s ``transform_fn`` against
@@ -545,6 +549,10 @@ def forms_table(w: Workload, size: int, reps: int) -> str:
     fns = {AUTO: mb.micro_grad(w.loss, l2_clip_norm=1.0, **options)}
     for name, form in FORMS.items():
         fns[name] = mb.micro_grad(w.loss, transform_fn=form, **options)
+    if optax is not None:  # a metric of the norms beside l2_clip_norm: computed from them
+        fns[NORM_METRIC] = mb.micro_grad(
+            w.loss, l2_clip_norm=1.0, metrics_fn=optax.tree.norm, **options
+        )
     per_example = jax.jit(
         jax.vmap(
             lambda p, *e: jax.grad(w.loss)(p, *(x[None] for x in e)),
