@@ -246,18 +246,17 @@ class _Reader:
             return [_V("flat", ins[0].leaf)]
         if name == "abs" and kinds[0] in ("grad", "flat"):
             return [_V("abs", ins[0].leaf)]
+        # A complex entry times itself is not its squared modulus: ``abs`` first.
+        real = not jnp.issubdtype(q.ins[0].aval.dtype, jnp.complexfloating)
+        entries = ("grad", "flat", "abs") if real else ("abs",)
         squared = (
-            (name in _SQUARES and kinds[0] in ("grad", "flat", "abs"))
-            or (
-                name == "integer_pow"
-                and e.params.get("y") == 2
-                and kinds[0] in ("grad", "flat", "abs")
-            )
-            or (name == "mul" and q.ins[0] is q.ins[1] and kinds[0] in ("grad", "flat", "abs"))
+            (name in _SQUARES and kinds[0] in entries)
+            or (name == "integer_pow" and e.params.get("y") == 2 and kinds[0] in entries)
+            or (name == "mul" and q.ins[0] is q.ins[1] and kinds[0] in entries)
         )
         if squared:
             return [_V("square", ins[0].leaf)]
-        if name == "dot_general" and q.ins[0] is q.ins[1] and kinds[0] in ("grad", "flat"):
+        if name == "dot_general" and q.ins[0] is q.ins[1] and real and kinds[0] in entries:
             (contract, other), (batch, _) = e.params["dimension_numbers"]
             # Entry by entry with itself (``vdot``), not ``trace(G @ G)``.
             every = sorted(contract) == list(range(len(q.ins[0].aval.shape)))
