@@ -25,6 +25,7 @@ from .test_statistics import MODELS, reference
 MEAN, SUM = AccumulationType.MEAN, AccumulationType.SUM
 C = 2.0
 SCALED = "transform_fn scaled by a function of the norms"
+NORMS_READ = "metrics_fn read as a function of the norms (its code runs on them)"
 
 
 def global_norm(g: Any) -> jax.Array:
@@ -355,25 +356,34 @@ _SCALARS = {
 )
 def test_any_scalar_function_of_the_norms(scalar, bound, per_leaf, weighted, microbatch_size):
     """Drawn spellings of the factor (``where``, ``rsqrt``, ``clip``, ``tanh``...), one
-    for the whole gradient or one per leaf, with weights and remainders."""
+    for the whole gradient or one per leaf, with weights and remainders; the same
+    factors as a ``metrics_fn`` beside it, computed from the norms too."""
     model = _SMALL
     f = _SCALARS[scalar]
 
+    def factors(g: Any) -> Any:
+        if per_leaf:
+            return jax.tree.map(lambda x: f(jnp.sqrt(jnp.sum(x**2)), bound), g)
+        return f(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g))), bound)
+
     def transform(g: Any) -> Any:
         if per_leaf:
-            return jax.tree.map(lambda x: x * f(jnp.sqrt(jnp.sum(x**2)), bound), g)
-        n = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(g)))
-        return jax.tree.map(lambda x: x * f(n, bound), g)
+            return jax.tree.map(lambda x, c: x * c, g, factors(g))
+        return jax.tree.map(lambda x: x * factors(g), g)
 
     rows = model.batch[0].shape[0]
     weights = jnp.asarray((np.arange(rows) * 7) % 4, jnp.float32) if weighted else None
     fn = grad_fn(model, transform, accumulator=SUM, microbatch_size=microbatch_size,
-                 allow_remainder=True)  # fmt: skip
+                 allow_remainder=True, metrics_fn=factors)  # fmt: skip
     report = microbatching.clipping_report(fn, model.params, *model.batch)
-    assert report.reason.startswith(SCALED), report.reason
-    got, _ = fn(model.params, *model.batch, example_weights=weights)
+    assert report.reason.startswith(f"{NORMS_READ}; {SCALED}"), report.reason
+    got, aux = fn(model.params, *model.batch, example_weights=weights)
     want = reference(_SMALL_GRADS, transform, weights=weights, mean=False)
     assert_close(got, want, terms=4, factor=8)
+    measured = jax.vmap(factors)(_SMALL_GRADS)
+    if weights is not None:  # a row of weight 0 has metrics 0, as on every path
+        measured = jax.tree.map(lambda m: jnp.where(weights != 0, m, 0.0), measured)
+    assert_close(aux.metrics, measured, terms=2, factor=4)
 
 
 _SMALL = mlp()
@@ -516,7 +526,6 @@ def test_an_integer_literal_beyond_float64_s_integers_is_exact(small, small_grad
 
 # --- a metrics_fn that reads only norms ------------------------------------------------
 
-NORMS_READ = "metrics_fn read as a function of the norms (its code runs on them)"
 
 METRICS = {
     "optax.tree.norm": optax.tree.norm,
