@@ -246,12 +246,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lambda a: jax.make_array_from_process_local_data(replicated, a), params_np
     )
 
+    # The per-example path, named: `auto` reads this clipping transform and this norm
+    # metric as l2_clip_norm's ghost path, which on an Auto mesh without batch_mesh_axes
+    # cannot see the batch's sharding while tracing, and XLA then gathers the batch (6
+    # all-gathers on 4 devices, as for l2_clip_norm itself there; the multi-device how-to
+    # says to pass batch_mesh_axes). This test holds the per-example path to moving none.
     grads_fn = micro_grad(
         loss_fn,
         batch_argnums=(1, 2),
         microbatch_size=MICROBATCH_SIZE,
         transform_fn=clip,
         metrics_fn=global_norm,
+        clip_method="materialize",
     )
 
     def step(params: Params, x: jax.Array, y: jax.Array) -> tuple[Params, jax.Array, jax.Array]:
