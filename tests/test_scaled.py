@@ -549,13 +549,6 @@ def metric_fn(model: Model, metric: Any, transform: Any = None, **options: Any) 
     )
 
 
-def per_example_metrics(metric: Any, grads: Any, clip: Any = None) -> Any:
-    """``metric`` of each example's gradient (before any clipping: ``metrics_fn`` sees
-    the gradient as it is); ``clip`` is only checked to be unused."""
-    del clip
-    return jax.vmap(metric)(grads)
-
-
 @pytest.mark.parametrize("name", list(METRICS))
 @pytest.mark.parametrize("clip", [None, 1.5], ids=["unclipped", "clipped"])
 def test_a_metric_of_the_norms_forms_no_gradient(name, clip, small, small_grads):
@@ -569,7 +562,8 @@ def test_a_metric_of_the_norms_forms_no_gradient(name, clip, small, small_grads)
     got, aux = jax.jit(fn)(small.params, *small.batch)
     want = reference(small_grads, lambda g: g, clip=clip, mean=False)
     assert_close(got, want, terms=2, factor=4)
-    assert_close(aux.metrics, per_example_metrics(metric, small_grads), terms=2, factor=2)
+    # metrics_fn sees each example's gradient before clipping
+    assert_close(aux.metrics, jax.vmap(metric)(small_grads), terms=2, factor=2)
 
 
 def test_a_metric_of_the_norms_beside_a_transform_and_weights(small, small_grads):
@@ -592,7 +586,7 @@ def test_a_metric_of_the_norms_beside_a_transform_and_weights(small, small_grads
         got, aux = jax.jit(fn)(small.params, *small.batch, example_weights=weights)
         want = reference(small_grads, transform, weights=weights, mean=False)
         assert_close(got, want, terms=3, factor=4)
-        kept = jnp.where(weights != 0, per_example_metrics(metric, small_grads), 0.0)
+        kept = jnp.where(weights != 0, jax.vmap(metric)(small_grads), 0.0)
         assert_close(aux.metrics, kept, terms=2, factor=2)
 
 
@@ -615,7 +609,7 @@ def test_a_metric_that_reads_more_than_norms_forms_the_gradients_and_says_why(sm
             "gives the norms without them): its output"
         ), report.reason
         _, aux = jax.jit(fn)(small.params, *small.batch)
-        assert_close(aux.metrics, per_example_metrics(metric, grads), terms=2)
+        assert_close(aux.metrics, jax.vmap(metric)(grads), terms=2)
 
 
 def test_a_metric_of_the_norms_asked_with_a_named_method_is_refused_at_wrap_time(small):
@@ -652,7 +646,7 @@ def test_a_metric_of_the_norms_on_a_mesh_keeps_the_per_example_path(small):
         "(metrics_fn=microbatching.l2_norm gives the norms without them): the batch is "
         "split over a mesh, where the per-example path is kept for now"
     ), report.reason
-    want = per_example_metrics(optax.tree.norm, per_example_grads(model))
+    want = jax.vmap(optax.tree.norm)(per_example_grads(model))
     assert_close(aux.metrics, want, terms=2)
 
 
