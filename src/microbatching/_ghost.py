@@ -655,6 +655,20 @@ def record(program: Program, params: Sequence[Any], example: Sequence[Any]) -> R
     return Recorded(outs, inputs, cotangents)
 
 
+def recorded_bytes(program: Program) -> int:
+    """Bytes per example of what ``record`` keeps until the clipped sum: each site's
+    inputs that depend on the example, and its outputs' cotangents."""
+    total = 0
+    for site in program.sites:
+        e = program.eqns[site.eqn]
+        keys = [a for p, a in enumerate(e.ins) if p in site.data and not isinstance(a, Const)]
+        keys += [k for k, f in zip(e.outs, _floating(program, e.outs), strict=True) if f]
+        for k in keys:
+            aval = program.avals[k]
+            total += int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+    return total
+
+
 def _tap(out: Any, tap: Any, computed: list[bool]) -> Any:
     """``out + tap``, appending to ``computed`` whether the backward pass gives the sum
     a cotangent that it computes (the user's ``custom_vjp`` returning ``zeros_like``

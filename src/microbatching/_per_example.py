@@ -640,13 +640,91 @@ def ghost(
     sums: Sums, given: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[PyTree, Aux] | str:
     """The clipped (weighted) sum by book-keeping, with per-example values, aux and
-    norms; or why the ghost norms cannot read this loss."""
-    example, clipping = sums.example, sums.clipping
+    norms; or why the ghost norms cannot read this loss. A microbatch whose record is
+    larger than ``_tuning.Knobs.ghost_chunk_bytes`` is taken a chunk of rows at a time
+    (``_row_chunks``)."""
+    example = sums.example
     split = split_call(example, args, kwargs)
     program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
-    seen = _ghost.record(program, split.params, split.data)
+
+    def rows(data: list[Any], weights: Any) -> tuple[list[Any], Aux]:
+        return _ghost_rows(sums, program, split, data, weights)
+
+    size = _ghost_chunk(sums, program, split)
+    totals, out = _row_chunks(rows, split.data, given, size, sums.requested)
+    return split.gradient(example, totals), out
+
+
+def _ghost_chunk(sums: Sums, program: _ghost.Program, split: _Split) -> int:
+    """How many rows of the microbatch the ghost norms take at once: those whose record
+    fits ``_tuning.Knobs.ghost_chunk_bytes`` (every row on one shard of a mesh, run
+    vmapped over the shards)."""
+    rows = split.data[0].shape[0]
+    if sums.by_shard:
+        return rows
+    most = _tuning.knobs().ghost_chunk_bytes // max(_ghost.recorded_bytes(program), 1)
+    return _chunk_size(rows, most)
+
+
+def _chunk_size(rows: int, most: int) -> int:
+    """Rows per chunk, at most ``most`` (at least 1): the largest divisor of ``rows``
+    where one is at least half of ``most``, else as many equal chunks as ``most`` needs
+    (and a shorter last one)."""
+    if rows <= most:
+        return rows
+    most = max(most, 1)
+    divisor = max(d for d in range(1, most + 1) if rows % d == 0)
+    if 2 * divisor >= most:
+        return divisor
+    return -(-rows // -(-rows // most))
+
+
+def _row_chunks(
+    fn: Callable[[list[Any], Any], tuple[list[Any], Aux]],
+    data: list[Any],
+    given: Any,
+    size: int,
+    requested: Any,
+) -> tuple[list[Any], Aux]:
+    """``fn(data, given) -> (sums, per-row Aux)`` of a microbatch, ``size`` rows at a time:
+    the sums added in the accumulation dtype (left open, ``_layout.Open``), the rows
+    concatenated. At once where ``size`` takes every row."""
+    rows = data[0].shape[0]
+    if size >= rows:
+        return fn(data, given)
+    whole = rows // size * size
+    head = jax.tree.map(lambda x: _split_rows(x[:whole], size), (data, given))
+
+    def wide(s: Any) -> Any:  # a sum (or an open one) in its accumulation dtype
+        return _layout.value(s).astype(_accumulators.accumulation_dtype(s.dtype, requested))
+
+    def body(carry: list[Any], chunk: Any) -> tuple[list[Any], Aux]:
+        summed, out = fn(*chunk)
+        return [c + wide(s) for c, s in zip(carry, summed, strict=True)], out
+
+    first = jax.tree.map(lambda x: x[0], head)
+    shapes = jax.eval_shape(lambda c: fn(*c)[0], first)
+    zeros = [
+        _sharding.full(_layout.value(t), 0, _accumulators.accumulation_dtype(t.dtype, requested))
+        for t in shapes
+    ]
+    totals, out = jax.lax.scan(body, zeros, head)
+    out = jax.tree.map(lambda x: x.reshape(whole, *x.shape[2:]), out)
+    if rows > whole:
+        summed, tail = fn(*jax.tree.map(lambda x: x[whole:], (data, given)))
+        totals = [t + wide(s) for t, s in zip(totals, summed, strict=True)]
+        out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
+    return [_layout.Open(t, s.dtype) for t, s in zip(totals, shapes, strict=True)], out
+
+
+def _ghost_rows(
+    sums: Sums, program: _ghost.Program, split: _Split, data: list[Any], given: Any
+) -> tuple[list[Any], Aux]:
+    """``ghost`` of rows taken at once: the sums of each parameter leaf, and the Aux."""
+    example, clipping = sums.example, sums.clipping
+    seen = _ghost.record(program, split.params, data)
     norms = _ghost.leaf_norms(program, split.params, seen)
     rows = norms.shape[0]
     if clipping is not None:
@@ -663,10 +741,9 @@ def ghost(
     checked = norms if sums.branches else None
     kept = None if drops or given is None else given != 0
     total = _ghost.clipped_sum(program, split.params, seen, scale, groups, clean, checked, kept)
-    grads = split.gradient(example, total)
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
     measured = sums.of_norms(norms)
-    return _kept(grads, Aux(seen.outs[0], measured, aux), given)
+    return _kept(total, Aux(seen.outs[0], measured, aux), given)
 
 
 def statistics(
@@ -675,16 +752,35 @@ def statistics(
     """The (weighted) sums of ``transform_fn`` of the clipped gradients, and the
     per-example values, aux and metrics, by the forms of ``sums.reading``
     (``_statistics``), without forming the per-example gradients of the model; or why
-    the ghost engine cannot read this loss."""
-    example, clipping, reading = sums.example, sums.clipping, sums.reading
+    the ghost engine cannot read this loss. Taken a chunk of rows at a time as ``ghost``
+    is."""
+    reading = sums.reading
     if reading is None:
         raise ValueError("micro_grad's statistics method needs the call's reading.")
-    split = split_call(example, args, kwargs)
+    split = split_call(sums.example, args, kwargs)
     program = _analyse(split, sums.requested)
     if isinstance(program, str):
         return program
-    params = split.params
-    seen = _ghost.record(program, params, split.data)
+
+    def rows(data: list[Any], weights: Any) -> tuple[list[Any], Aux]:
+        return _statistics_rows(sums, reading, program, split, data, weights)
+
+    size = _ghost_chunk(sums, program, split)
+    outs, out = _row_chunks(rows, split.data, given, size, sums.requested)
+    return jax.tree.unflatten(reading.structure, outs), out
+
+
+def _statistics_rows(
+    sums: Sums,
+    reading: _statistics.Reading,
+    program: _ghost.Program,
+    split: _Split,
+    data: list[Any],
+    given: Any,
+) -> tuple[list[Any], Aux]:
+    """``statistics`` of rows taken at once: the output leaves' sums, and the Aux."""
+    example, clipping, params = sums.example, sums.clipping, split.params
+    seen = _ghost.record(program, params, data)
     rows = jnp.shape(seen.outs[0])[0]
     wide = jnp.promote_types(jnp.result_type(*params), jnp.float32)
     norms = None
@@ -716,9 +812,7 @@ def statistics(
     else:
         measured = None
     aux = jax.tree.unflatten(split.aux[0], seen.outs[1:])
-    return _kept(
-        jax.tree.unflatten(reading.structure, outs), Aux(seen.outs[0], measured, aux), given
-    )
+    return _kept(list(outs), Aux(seen.outs[0], measured, aux), given)
 
 
 def by_shard(

@@ -23,6 +23,11 @@ class Knobs:
     """Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
     norms are computed a chunk of examples at a time, so that they cost no more memory than
     the activations the backward pass holds anyway."""
+    ghost_chunk_bytes: int = 4 * 2**20
+    """Bytes of what the ghost norms record per chunk of a microbatch (each site's inputs
+    and cotangents, ``_ghost.recorded_bytes``): a microbatch whose record is larger is
+    taken a chunk of rows at a time, each chunk's clipped sum added to the last, so that
+    memory grows with the chunk and the passes stay near the caches. MEASURED-PLACEHOLDER"""
     direct_chunk_bytes: int = 32 * 2**20
     """Bytes of per-example gradients of ``direct`` leaves formed at once."""
     materialize_flops_per_entry: int = 12
