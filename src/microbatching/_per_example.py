@@ -659,13 +659,13 @@ def ghost(
 
 def _ghost_chunk(sums: Sums, program: _ghost.Program, split: _Split) -> int:
     """How many rows of the microbatch the ghost norms take at once: those whose record
-    fits ``_tuning.Knobs.ghost_chunk_bytes`` (every row on one shard of a mesh, run
-    vmapped over the shards)."""
-    rows = split.data[0].shape[0]
-    if sums.by_shard:
+    fits ``_tuning.Knobs.ghost_chunk_bytes``, at least ``ghost_chunk_rows`` (every row on
+    one shard of a mesh, run vmapped over the shards, or where the backend's knob is None)."""
+    rows, knobs = split.data[0].shape[0], _tuning.knobs()
+    if sums.by_shard or knobs.ghost_chunk_bytes is None:
         return rows
-    most = _tuning.knobs().ghost_chunk_bytes // max(_ghost.recorded_bytes(program), 1)
-    return _chunk_size(rows, most)
+    most = knobs.ghost_chunk_bytes // max(_ghost.recorded_bytes(program), 1)
+    return _chunk_size(rows, max(most, knobs.ghost_chunk_rows))
 
 
 def _chunk_size(rows: int, most: int) -> int:

@@ -1,10 +1,10 @@
 """The knobs that trade speed for memory or choose between exact methods, by backend.
 
 Each was measured on one backend; ``knobs()`` gives the installed default backend's. A
-backend that nothing was measured on gets the CPU's values, which is never a wrong
-result, only possibly a slower one (each knob chooses between exact forms or sizes a
-chunk). ``plan`` measuring on the user's device is how a GPU or TPU user tunes beyond
-them.
+backend that nothing was measured on gets the CPU's values (but the ghost norms take a
+microbatch whole there), which is never a wrong result, only possibly a slower one
+(each knob chooses between exact forms or sizes a chunk). ``plan`` measuring on the
+user's device is how a GPU or TPU user tunes beyond them.
 """
 
 from __future__ import annotations
@@ -23,11 +23,25 @@ class Knobs:
     """Bytes of a Gram rule's intermediates (patches, Gram matrices) formed at once: the
     norms are computed a chunk of examples at a time, so that they cost no more memory than
     the activations the backward pass holds anyway."""
-    ghost_chunk_bytes: int = 4 * 2**20
+    ghost_chunk_bytes: int | None = 8 * 2**20
     """Bytes of what the ghost norms record per chunk of a microbatch (each site's inputs
-    and cotangents, ``_ghost.recorded_bytes``): a microbatch whose record is larger is
-    taken a chunk of rows at a time, each chunk's clipped sum added to the last, so that
-    memory grows with the chunk and the passes stay near the caches. MEASURED-PLACEHOLDER"""
+    and cotangents, ``_ghost.recorded_bytes``), or None to take every microbatch at once.
+    A microbatch whose record is larger is taken a chunk of rows at a time, each chunk's
+    sums added to the last: memory then grows with the chunk, not the microbatch, and on
+    the CPU the passes run near the caches. Measured on 2 CPU cores with
+    ``benchmarks/clipping.py`` (``clip_method="ghost"``, batch 1024, medians of 7
+    interleaved calls): on its CNN (154 kB recorded per example) at microbatch 64, chunks
+    of 32 rows took 153 ms and 11.8 MiB of temp against 204 ms and 19.2 MiB at once (the
+    plain step: 109 ms, 6.5 MiB); at microbatch 256, 155 ms and 12.4 MiB against 265 ms
+    and 55.1 MiB. Chunks of 16 rows (4 MiB) took 186 ms at 64. Its MLP (20 kB per
+    example) is taken at once up to 427 rows; in chunks of 128 at microbatch 256 it took
+    29.1 ms against 24.4 ms at once."""
+    ghost_chunk_rows: int = 32
+    """The fewest rows a chunk of ``ghost_chunk_bytes`` takes, however large the record:
+    each chunk runs every pass of the ghost step, whose many small operations cost time
+    per chunk. On the transformer block of ``benchmarks/clipping.py`` (524 kB recorded
+    per example, medians of 5), at microbatch 64: chunks of 16 rows took 475 ms, of 32
+    rows 446 ms, at once 409 ms; at microbatch 256: 468, 424 and 481 ms."""
     direct_chunk_bytes: int = 32 * 2**20
     """Bytes of per-example gradients of ``direct`` leaves formed at once."""
     materialize_flops_per_entry: int = 12
@@ -83,11 +97,20 @@ class Knobs:
 
 
 CPU = Knobs("2 CPU cores, jax 0.10.2 (benchmarks/clipping.py, benchmarks/accumulation.py)")
-"""The values measured; every backend without its own entry takes them."""
+"""The values measured."""
+
+UNMEASURED = dataclasses.replace(
+    CPU,
+    measured_on="nothing: the CPU's values, but every microbatch taken at once by the ghost norms",
+    ghost_chunk_bytes=None,
+)
+"""Every backend without its own entry. Chunks of a microbatch suit the CPU's caches;
+an accelerator runs a whole microbatch at once as it was asked to until a measurement
+there says otherwise."""
 
 BY_BACKEND: dict[str, Knobs] = {"cpu": CPU}
 
 
 def knobs() -> Knobs:
     """The tuning of ``jax.default_backend()``."""
-    return BY_BACKEND.get(jax.default_backend(), CPU)
+    return BY_BACKEND.get(jax.default_backend(), UNMEASURED)
