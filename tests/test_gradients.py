@@ -21,14 +21,16 @@ from microbatching import (
     AccumulationType,
     Accumulator,
     _tuning,
+    clipping_report,
     l2_norm,
     micro_grad,
     micro_vmap,
     microbatch,
 )
 from microbatching._batch_statistics import PROBE_ROWS
+from microbatching._per_example import _chunk_size
 
-from .strategies import assert_close, clipper, microbatch_sizes, random_array
+from .strategies import assert_close, clipper, equations, microbatch_sizes, random_array
 from .test_sharding import all_reduces_in_loops, collectives
 
 
@@ -466,6 +468,129 @@ def test_materialize_in_chunks_matches_the_reference_for_any_sizes(
     assert aux.values.shape == (rows,)
 
 
+@pytest.mark.parametrize("at_once", [1, 5, 13], ids=["rows-of-1", "5-and-a-tail-of-3", "whole"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"l2_clip_norm": 0.5},
+        {"l2_clip_norm": {"w": 0.3, "b": 0.2, "v": 0.4}, "weighted": True},
+        {"l2_clip_norm": 0.5, "nan_safe": True, "weighted": True, "nan_row": True},
+        {"metrics_fn": "norms", "accumulator": MEAN},
+        {"l2_clip_norm": 0.5, "transform": True, "weighted": True},
+    ],
+    ids=["clipped", "per-leaf-weighted", "nan-safe", "metrics-mean", "statistics"],
+)
+def test_ghost_in_chunks_matches_the_per_example_reference(monkeypatch, at_once, options):
+    """The ghost norms (and the statistics read off a ``transform_fn``) take a microbatch
+    whose record exceeds ``ghost_chunk_bytes`` a chunk of rows at a time: checked against
+    ``vmap(grad)``, clipped and summed here, for chunks of one row, chunks that leave a
+    shorter last one (13 = 5 + 5 + 3), and the whole microbatch; with weights, per-leaf
+    bounds, a NaN row dropped by ``nan_safe``, metrics, aux and a remainder."""
+    _tune(monkeypatch, ghost_chunk_bytes=1, ghost_chunk_rows=at_once)
+    options = dict(options)
+    weighted, nan_row = options.pop("weighted", False), options.pop("nan_row", False)
+    norms = options.pop("metrics_fn", None) == "norms"
+    transform = options.pop("transform", False)
+    x = random_array(13, (28, 5), jnp.float32)  # microbatches of 13, 13 and 2 rows
+    y = random_array(14, (28, 2), jnp.float32)
+    if nan_row:
+        x = x.at[5, 0].set(jnp.nan)
+    weights = jnp.asarray(np.random.default_rng(0).uniform(0, 2, 28)).at[3].set(0.0)
+    method = {"transform_fn": lambda g: (g, jax.tree.map(jnp.square, g))} if transform else {}
+    fn = micro_grad(
+        _chunk_loss,
+        batch_argnums=(1, 2),
+        microbatch_size=13,
+        allow_remainder=True,
+        has_aux=True,
+        keep_batch_dim=False,
+        clip_method="auto" if transform else "ghost",
+        **({"metrics_fn": l2_norm} if norms else {}),
+        **method,
+        **options,
+    )
+    call = functools.partial(fn, example_weights=weights) if weighted else fn
+    expected = "statistics" if transform else "ghost"
+    given = {"example_weights": weights} if weighted else {}
+    assert clipping_report(fn, _CHUNK_PARAMS, x, y, **given).method == expected
+    got, aux = jax.jit(call)(_CHUNK_PARAMS, x, y)
+
+    per_example = _chunk_per_example(_CHUNK_PARAMS, x, y)
+    scale = np.asarray(weights if weighted else np.ones(28))
+    keep = scale != 0
+    if nan_row:
+        keep[5] = False
+    want = _clipped_sum(per_example, options.get("l2_clip_norm"), scale, keep)
+    if transform:
+        clipped = _clipped_rows(per_example, options["l2_clip_norm"])
+        squares = {
+            k: np.where(keep.reshape(-1, *[1] * (c.ndim - 1)), c, 0) ** 2
+            for k, c in clipped.items()
+        }
+        want = (want, {k: np.tensordot(np.where(keep, scale, 0), c, 1) for k, c in squares.items()})
+    if options.get("accumulator") is MEAN:
+        want = jax.tree.map(lambda g: g / 28, want)
+    got = jax.tree.map(lambda g: np.asarray(g, np.float64), got)
+    assert_close(got, want, dtype=jnp.float32, terms=28)
+    values = np.asarray(aux.values, np.float64)
+    assert values.shape == (28,) and np.all(np.isfinite(values[keep]))
+    assert aux.aux["first"].shape == (28,)
+    if norms:
+        assert_close(np.asarray(aux.metrics, np.float64), _norms(per_example), dtype=jnp.float32)
+
+
+def _clipped_rows(per_example, bound):
+    """Each example's gradient clipped to global norm ``bound``; NaN rows left as they are."""
+    factor = np.minimum(1, bound / _norms(per_example))
+    return {k: g * factor.reshape(-1, *[1] * (g.ndim - 1)) for k, g in per_example.items()}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 13),
+    size=st.integers(1, 8),
+    at_once=st.integers(1, 5),
+    bound=st.sampled_from([None, 0.05, 1.0, 1e3]),
+    weighted=st.booleans(),
+)
+def test_ghost_in_chunks_matches_the_reference_for_any_sizes(rows, size, at_once, bound, weighted):
+    """Any batch, microbatch and chunk of the ghost norms (a remainder, chunks that do
+    not divide the microbatch, one chunk of the whole microbatch), clipped or not,
+    weighted or not: the sum is ``vmap(grad)``'s, clipped and weighted in float64."""
+    size = min(size, rows)
+    with pytest.MonkeyPatch.context() as patch:
+        _tune(patch, ghost_chunk_bytes=1, ghost_chunk_rows=at_once)
+        fn = micro_grad(
+            lambda p, x, y: _chunk_loss(p, x, y)[0],
+            batch_argnums=(1, 2),
+            microbatch_size=size,
+            allow_remainder=True,
+            keep_batch_dim=False,
+            clip_method="ghost",
+            l2_clip_norm=1e9 if bound is None else bound,
+        )
+        x = random_array(20 + rows, (rows, 5), jnp.float32)
+        y = random_array(40 + rows, (rows, 2), jnp.float32)
+        weights = jnp.asarray(np.random.default_rng(rows).uniform(0, 2, rows), jnp.float32)
+        call = functools.partial(fn, example_weights=weights) if weighted else fn
+        grads, aux = call(_CHUNK_PARAMS, x, y)
+    scale = np.asarray(weights, np.float64) if weighted else np.ones(rows)
+    want = _clipped_sum(_chunk_per_example(_CHUNK_PARAMS, x, y), bound, scale, np.ones(rows, bool))
+    got = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    assert_close(got, want, dtype=jnp.float32, terms=rows)
+    assert aux.values.shape == (rows,)
+
+
+@pytest.mark.parametrize(
+    ("rows", "most", "size"),
+    [(64, 54, 32), (64, 26, 16), (13, 5, 5), (61, 26, 21), (10, 20, 10), (7, 0, 1), (1, 1, 1)],
+)
+def test_ghost_chunks_divide_the_microbatch_where_a_divisor_is_near_the_bound(rows, most, size):
+    """``_chunk_size``: the largest divisor of the rows at most ``most`` where one is at
+    least half of it (no shorter last chunk, no copy), else equal chunks and a last one."""
+    assert _chunk_size(rows, most) == size
+
+
 def _chunk_per_example(params, x, y):
     """Each example's gradient of ``_chunk_loss`` by ``vmap(grad)``, in float64."""
     each = jax.vmap(jax.grad(lambda p, x, y: _chunk_loss(p, x, y)[0]), (None, 0, 0))
@@ -514,6 +639,73 @@ def test_materialize_holds_one_chunk_of_per_example_gradients(monkeypatch):
     chunked, whole = temps
     assert whole >= 256 * gradient_bytes  # a microbatch of per-example gradients at once
     assert chunked <= 3 * 16 * gradient_bytes  # 16 rows at a time
+
+
+def _conv_loss(params, x, y):
+    """A small CNN: a 3x3 convolution of stride 2 to 32 channels, ReLU, a dense layer."""
+    h = jax.lax.conv_general_dilated(
+        x, params["k"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.nn.relu(h + params["b"][None, None, None])
+    return jnp.mean((h.reshape(h.shape[0], -1) @ params["w"] - y) ** 2)
+
+
+_CONV_PARAMS = {
+    "k": random_array(30, (3, 3, 4, 32), jnp.float32),
+    "b": random_array(31, (32,), jnp.float32),
+    "w": random_array(32, (8 * 8 * 32, 4), jnp.float32),
+}
+
+
+@pytest.mark.compiled
+def test_ghost_holds_one_chunk_of_the_microbatch_record():
+    """The ghost norms' memory grows with the chunk, not the microbatch: with the CPU's
+    knobs (chunks of 32 rows here), a microbatch of 256 costs little more than one of 64
+    (its rows' inputs and per-example values), where taking it whole (a backend without
+    measurements) costs about seven times as much (measured: 3.1 against 21.3 MiB); and
+    the chunked step holds at most twice the plain step's memory at 64 (issue 50's goal,
+    on a CNN)."""
+    x = random_array(33, (512, 16, 16, 4), jnp.float32)
+    y = random_array(34, (512, 4), jnp.float32)
+    common = {"batch_argnums": (1, 2), "l2_clip_norm": 1.0, "clip_method": "ghost"}
+
+    def temp(size, **knobs):
+        with pytest.MonkeyPatch.context() as patch:
+            _tune(patch, **knobs)
+            fn = micro_grad(_conv_loss, microbatch_size=size, **common)
+            return _temp(fn, _CONV_PARAMS, x, y)
+
+    chunked = {size: temp(size, ghost_chunk_bytes=1, ghost_chunk_rows=32) for size in (64, 256)}
+    whole = temp(256, ghost_chunk_bytes=None)
+    assert chunked[256] <= 1.5 * chunked[64]
+    assert whole >= 4 * chunked[256]
+    plain = micro_grad(_conv_loss, batch_argnums=(1, 2), microbatch_size=64)
+    assert chunked[64] <= 2 * _temp(plain, _CONV_PARAMS, x, y)
+
+
+def test_backends_without_measurements_take_the_microbatch_whole(monkeypatch):
+    """Chunks of the ghost norms' record are the CPU's tuning: another backend takes
+    every microbatch at once, as before (``_tuning.UNMEASURED``), until measured."""
+    assert _tuning.CPU.ghost_chunk_bytes is not None
+    monkeypatch.setattr(_tuning.jax, "default_backend", lambda: "tpu")
+    assert _tuning.knobs() is _tuning.UNMEASURED
+    assert _tuning.knobs().ghost_chunk_bytes is None
+    x = random_array(33, (128, 16, 16, 4), jnp.float32)
+    y = random_array(34, (128, 4), jnp.float32)
+    fn = micro_grad(
+        _conv_loss, batch_argnums=(1, 2), microbatch_size=128, l2_clip_norm=1.0, clip_method="ghost"
+    )
+    scans = [e for e, _ in equations(jax.make_jaxpr(fn)(_CONV_PARAMS, x, y).jaxpr)]
+    whole = sum(e.primitive.name == "scan" for e in scans)
+    monkeypatch.setattr(_tuning.jax, "default_backend", lambda: "cpu")
+    _tune(monkeypatch, ghost_chunk_bytes=1, ghost_chunk_rows=32)
+    fn = micro_grad(
+        _conv_loss, batch_argnums=(1, 2), microbatch_size=128, l2_clip_norm=1.0, clip_method="ghost"
+    )
+    scans = [e for e, _ in equations(jax.make_jaxpr(fn)(_CONV_PARAMS, x, y).jaxpr)]
+    chunks = [e for e in scans if e.primitive.name == "scan" and e.params["length"] == 4]
+    assert sum(e.primitive.name == "scan" for e in scans) == whole + 1
+    assert len(chunks) == 1
 
 
 # --- accumulation precision ------------------------------------------------------------
