@@ -1172,8 +1172,8 @@ def test_fastest_chooses_the_clip_method_too(fake_clock, capsys):
     assert (found.microbatch_size, found.clip_method) == (8, "materialize")
     err = capsys.readouterr().err
     assert (
-        "plan: microbatch_size=32, clip_method='auto' chooses 'ghost' for this call: timed as such"
-        in err
+        "plan: microbatch_size=32, clip_method='auto' chooses 'ghost' for this call (at every "
+        "size): timed as such" in err
     )
     assert (
         "plan: the fastest is microbatch_size=8, clip_method='materialize', 500 ms (the median of 5 calls)"

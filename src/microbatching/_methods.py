@@ -320,7 +320,7 @@ class GradRequest:
     def gathers_for_norms(self) -> bool:
         """Whether the norms may be read off the program (``auto``, ``ghost``,
         ``two_pass``), which reads every parameter on every shard of the batch."""
-        wanted = self.clipping is not None or self.sums().norms_only
+        wanted = self.clipping is not None or _per_example.norms_only(self.metrics)
         return self.summed and wanted and self.method in ("auto", "ghost", "two_pass")
 
     def check(self) -> None:

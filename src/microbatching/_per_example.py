@@ -299,6 +299,12 @@ def l2_norm(tree: PyTree) -> jax.Array:
     return _clipping.norm(tree)
 
 
+def norms_only(metrics: Any) -> bool:
+    """Whether ``metrics`` needs no gradient: the norms (``l2_norm``), or a function of the
+    norms read off ``metrics_fn``'s program (``_scaled.NormsMetric``)."""
+    return metrics is l2_norm or isinstance(metrics, _scaled.NormsMetric)
+
+
 def per_example(
     example: Examples,
     clipping: _clipping.Clipping | None,
@@ -351,9 +357,8 @@ class Sums:
 
     @property
     def norms_only(self) -> bool:
-        """Whether the metrics need no gradient: the norms (``l2_norm``), or a function
-        of the norms read off ``metrics_fn``'s program (``_scaled.NormsMetric``)."""
-        return self.metrics is l2_norm or isinstance(self.metrics, _scaled.NormsMetric)
+        """Whether the metrics need no gradient (``norms_only``)."""
+        return norms_only(self.metrics)
 
     def of_norms(self, norms: jax.Array) -> Any:
         """The per-example metrics from each example's norms per leaf ``(rows, leaves)``

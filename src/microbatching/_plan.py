@@ -78,9 +78,11 @@ class PlanRow:
         predicted from the compiled rows of the same ``gather_params`` and
         ``clip_method``, and ``str(plan)`` marks them ``~``: the memory linear in the
         microbatch size between the nearest compiled sizes (through the two nearest
-        beyond them; in proportion to the size where only one was compiled), the flops
-        linear in the number of microbatches. Estimates: the memory can fall below the
-        real figure where XLA's choices change between the compiled sizes.
+        beyond them); where only one size was compiled, along the slope of another
+        series compiled at two or more, else a bound (that size's memory below it, in
+        proportion to the size above it); the flops linear in the number of
+        microbatches. Estimates: the memory can fall below the real figure where XLA's
+        choices change between the compiled sizes.
 
     >>> import jax.numpy as jnp
     >>> from microbatching import AccumulationType, microbatch, plan
@@ -960,7 +962,9 @@ class _Search:
         if candidate in self.measured:
             return self.measured[candidate]
         by_x = {
-            self._x(c.microbatch_size): m for c, m in self.measured.items() if _alike(c, candidate)
+            self._x(c.microbatch_size): m
+            for c, m in self.measured.items()
+            if _same_series(c, candidate)
         }
         points = sorted(by_x.items(), key=lambda p: p[0])  # None and the batch size: one x
         if not points:
@@ -974,7 +978,7 @@ class _Search:
             temp = max(0, round(_line([(px, m.temp_bytes) for px, m in points], x, True)))
         # flops: the whole batch's, plus a cost per loop iteration: a line in their count
         known = [(m.num_microbatches, m.flops) for _, m in points if m.flops is not None]
-        n = 1 if candidate.microbatch_size is None else -(-self.batch_size // x)
+        n = _count(self.batch_size, candidate.microbatch_size)
         flops = _line(sorted(dict(known).items()), n, False) if len(known) == len(points) else None
         return _Measured(
             microbatch_size=candidate.microbatch_size,
@@ -991,12 +995,12 @@ class _Search:
     def _slope(self, candidate: _Candidate, at: int, x: int) -> float | None:
         """The temp bytes per example between sizes ``at`` and ``x`` of the series
         (another ``gather_params`` or ``clip_method``) compiled at the most sizes, two or
-        more; None where there is none. A series compiled at one size alone is otherwise
-        predicted in proportion to the size, which misses what does not grow with it (the
-        parameters gathered once)."""
+        more; None where there is none. A series compiled at one size alone is otherwise a
+        bound (in proportion to the size above it), far above what does not grow with
+        the size (the parameters gathered once)."""
         series: dict[tuple[Any, Any], list[tuple[int, int]]] = {}
         for c, m in self.measured.items():
-            if c.build is candidate.build and not _alike(c, candidate):
+            if c.build is candidate.build and not _same_series(c, candidate):
                 key = (c.gather_params, c.clip_method)
                 series.setdefault(key, []).append((self._x(c.microbatch_size), m.temp_bytes))
         best = max(series.values(), key=len, default=[])
@@ -1027,7 +1031,7 @@ class _Search:
         for m in self.sizes:
             for base in self.base(m):
                 others = sorted(
-                    (c for c in self.measured if _alike(c, base, clip=False) and c != base),
+                    (c for c in self.measured if _same_program_size(c, base) and c != base),
                     key=lambda c: CLIP.values.index(c.clip_method),
                 )
                 # a predicted base row beside compiled rows of other methods: left out
@@ -1054,13 +1058,19 @@ def _auto_is_named(search: _Search, candidate: _Candidate) -> str | None:
     return method if method in CLIP.values[1:] else None
 
 
-def _alike(a: _Candidate, b: _Candidate, clip: bool = True) -> bool:
-    """Whether two candidates differ in their microbatch size alone (or in their
-    ``clip_method`` too, where not ``clip``)."""
-    same = a.gather_params == b.gather_params
-    if clip:
-        return same and a.clip_method == b.clip_method
-    return same and a.microbatch_size == b.microbatch_size
+def _same_series(a: _Candidate, b: _Candidate) -> bool:
+    """Whether two candidates differ in their microbatch size alone."""
+    return a.gather_params == b.gather_params and a.clip_method == b.clip_method
+
+
+def _same_program_size(a: _Candidate, b: _Candidate) -> bool:
+    """Whether two candidates differ in their ``clip_method`` alone."""
+    return a.gather_params == b.gather_params and a.microbatch_size == b.microbatch_size
+
+
+def _count(batch_size: int, microbatch_size: int | None) -> int:
+    """How many microbatches the loop runs (one without microbatching)."""
+    return 1 if microbatch_size is None else -(-batch_size // microbatch_size)
 
 
 def _line(points: Sequence[tuple[int, float]], x: int, proportional: bool) -> float:
@@ -1120,6 +1130,7 @@ class _Timing:
     ) -> None:
         self.search, self.args, self.kwargs = search, args, kwargs
         self.max_seconds, self.repeats, self.began = max_seconds, repeats, began
+        self.auto_named: list[str | None] = []  # once: the choice reads no size
 
     def _late(self) -> bool:
         return self.max_seconds is not None and _clock() - self.began > self.max_seconds
@@ -1131,17 +1142,22 @@ class _Timing:
     def _variants(self, m: int | None) -> list[_Candidate]:
         """The candidates to time at size ``m``: each ``gather_params``, and each
         ``clip_method`` where ``build`` takes it; ``"auto"`` only where what it chooses
-        for the call is none of the named methods (nothing to clip: the plain sum)."""
+        for the call is none of the named methods (nothing to clip: the plain sum). That
+        choice is asked once, at the first size timed: the cost model it compares counts
+        flops per example, the same at every size."""
         build, gathers = self.search.build, self.search.gathers
         clips = CLIP.tried(build)
         if clips[0] is not None:
-            named = _auto_is_named(self.search, _Candidate(build, m, gathers[0], "auto"))
-            if named is not None:
+            if not self.auto_named:
+                asked = _Candidate(build, m, gathers[0], "auto")
+                self.auto_named.append(_auto_is_named(self.search, asked))
+                if self.auto_named[0] is not None:
+                    self.search.report.write(
+                        f"plan: microbatch_size={m}, clip_method='auto' chooses "
+                        f"{self.auto_named[0]!r} for this call (at every size): timed as such\n"
+                    )
+            if self.auto_named[0] is not None:
                 clips = clips[1:]
-                self.search.report.write(
-                    f"plan: microbatch_size={m}, clip_method='auto' chooses {named!r} "
-                    "for this call: timed as such\n"
-                )
         return [_Candidate(build, m, g, c) for g in gathers for c in clips]
 
     def fastest(self, top: int) -> tuple[_Candidate, dict[_Candidate, float]]:
@@ -1251,7 +1267,7 @@ def _analysed(compiled: Any, candidate: _Candidate, batch_size: int) -> _Measure
         - memory.alias_size_in_bytes
     )
     m = candidate.microbatch_size
-    n = 1 if m is None else -(-batch_size // m)
+    n = _count(batch_size, m)
     return _Measured(
         microbatch_size=m,
         num_microbatches=n,

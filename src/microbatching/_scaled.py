@@ -458,7 +458,6 @@ class _Walked:
     reader: _Reader
     eqns: list[_Eqn]
     outs: list[_Ref]
-    known: dict[_Ref, Any]
     shape: Any
     value: dict[_Ref, _V]
     uses: dict[_Ref, list[_V]]
@@ -477,7 +476,7 @@ def _walk(fn: Callable[[PyTree], PyTree], grads: PyTree) -> _Walked:
     given = [_Ref(v.aval) for v in closed.jaxpr.invars]
     eqns, outs, known = _flatten(closed, given)
     value: dict[_Ref, _V] = {ref: _V("grad", i) for i, ref in enumerate(given)}
-    walked = _Walked(_Reader(known), eqns, outs, known, shape, value, {}, None)
+    walked = _Walked(_Reader(known), eqns, outs, shape, value, {}, None)
     for q in eqns:
         ins = [walked.of(r) for r in q.ins]
         found = walked.reader.step(q, ins)
@@ -500,13 +499,8 @@ def read(transform: Callable[[PyTree], PyTree], grads: PyTree) -> Scaled | str |
     norm: the statistics method reads it as it is), or why it is not of that form."""
     leaves, structure = jax.tree.flatten(grads)
     walked = _walk(transform, grads)
-    reader, eqns, outs, known, shape = (
-        walked.reader,
-        walked.eqns,
-        walked.outs,
-        walked.known,
-        walked.shape,
-    )
+    reader, known = walked.reader, walked.reader.known
+    eqns, outs, shape = walked.eqns, walked.outs, walked.shape
     value, uses, why = walked.value, walked.uses, walked.why
     if not reader.uses_norms:
         return None
