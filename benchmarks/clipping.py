@@ -691,7 +691,7 @@ def main(argv: Sequence[str]) -> None:
             out.append(
                 lambda t=tokens, b=batch, m=size: workload_table(tied_lm_workload(b, t), [m], count)
             )
-        return out + forms_parts(quick, count)
+        return out + forms_parts(quick, reps)  # all of them: the forms differ by a few %
 
     if device:
         title = "Clipped per-example gradients on the device"
