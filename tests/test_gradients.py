@@ -430,31 +430,37 @@ def test_materialize_in_chunks_matches_the_per_example_reference(
         assert_close(np.asarray(aux.metrics, np.float64), _norms(per_example), dtype=dtype)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(
     rows=st.integers(1, 13),
     size=st.integers(1, 8),
     at_once=st.integers(1, 5),
     bound=st.sampled_from([None, 0.05, 1.0, 1e3]),
     weighted=st.booleans(),
+    method=st.sampled_from(["materialize", "ghost"]),
 )
-def test_materialize_in_chunks_matches_the_reference_for_any_sizes(
-    rows, size, at_once, bound, weighted
-):
+def test_chunks_match_the_reference_for_any_sizes(rows, size, at_once, bound, weighted, method):
     """Any batch, microbatch and chunk bound (a remainder, chunks that do not divide the
-    microbatch, a chunk of the whole microbatch), clipped or not, weighted or not: the
-    chunked per-example sum is ``vmap(grad)``'s, clipped and weighted in float64."""
+    microbatch, a chunk of the whole microbatch), clipped or not, weighted or not, for the
+    per-example gradients' chunks (``materialize``) and the ghost norms' (a bound of 1e9
+    stands for none: ``ghost`` needs one): the sum is ``vmap(grad)``'s, clipped and
+    weighted in float64."""
     size = min(size, rows)
     with pytest.MonkeyPatch.context() as patch:
-        _tune(patch, explicit_chunk_bytes=at_once * _CHUNK_GRADIENT_BYTES)
+        clip = bound
+        if method == "ghost":
+            _tune(patch, ghost_chunk_bytes=1, ghost_chunk_rows=at_once)
+            clip = 1e9 if bound is None else bound
+        else:
+            _tune(patch, explicit_chunk_bytes=at_once * _CHUNK_GRADIENT_BYTES)
         fn = micro_grad(
             lambda p, x, y: _chunk_loss(p, x, y)[0],
             batch_argnums=(1, 2),
             microbatch_size=size,
             allow_remainder=True,
             keep_batch_dim=False,
-            clip_method="materialize",
-            **({} if bound is None else {"l2_clip_norm": bound}),
+            clip_method=method,
+            l2_clip_norm=clip,
         )
         x = random_array(20 + rows, (rows, 5), jnp.float32)
         y = random_array(40 + rows, (rows, 2), jnp.float32)
@@ -543,42 +549,6 @@ def _clipped_rows(per_example, bound):
     """Each example's gradient clipped to global norm ``bound``; NaN rows left as they are."""
     factor = np.minimum(1, bound / _norms(per_example))
     return {k: g * factor.reshape(-1, *[1] * (g.ndim - 1)) for k, g in per_example.items()}
-
-
-@settings(max_examples=12, deadline=None)
-@given(
-    rows=st.integers(1, 13),
-    size=st.integers(1, 8),
-    at_once=st.integers(1, 5),
-    bound=st.sampled_from([None, 0.05, 1.0, 1e3]),
-    weighted=st.booleans(),
-)
-def test_ghost_in_chunks_matches_the_reference_for_any_sizes(rows, size, at_once, bound, weighted):
-    """Any batch, microbatch and chunk of the ghost norms (a remainder, chunks that do
-    not divide the microbatch, one chunk of the whole microbatch), clipped or not,
-    weighted or not: the sum is ``vmap(grad)``'s, clipped and weighted in float64."""
-    size = min(size, rows)
-    with pytest.MonkeyPatch.context() as patch:
-        _tune(patch, ghost_chunk_bytes=1, ghost_chunk_rows=at_once)
-        fn = micro_grad(
-            lambda p, x, y: _chunk_loss(p, x, y)[0],
-            batch_argnums=(1, 2),
-            microbatch_size=size,
-            allow_remainder=True,
-            keep_batch_dim=False,
-            clip_method="ghost",
-            l2_clip_norm=1e9 if bound is None else bound,
-        )
-        x = random_array(20 + rows, (rows, 5), jnp.float32)
-        y = random_array(40 + rows, (rows, 2), jnp.float32)
-        weights = jnp.asarray(np.random.default_rng(rows).uniform(0, 2, rows), jnp.float32)
-        call = functools.partial(fn, example_weights=weights) if weighted else fn
-        grads, aux = call(_CHUNK_PARAMS, x, y)
-    scale = np.asarray(weights, np.float64) if weighted else np.ones(rows)
-    want = _clipped_sum(_chunk_per_example(_CHUNK_PARAMS, x, y), bound, scale, np.ones(rows, bool))
-    got = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
-    assert_close(got, want, dtype=jnp.float32, terms=rows)
-    assert aux.values.shape == (rows,)
 
 
 @pytest.mark.parametrize(
