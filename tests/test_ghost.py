@@ -1891,15 +1891,15 @@ def test_a_clip_method_without_clipping_or_norms_is_an_error(method):
 
 
 def test_the_gram_form_is_chosen_by_its_flops_and_what_it_writes():
-    """``_ghost._product_cost`` weighs each form's flops and ``GRAM_ENTRY_FLOPS`` for
+    """``products._product_cost`` weighs each form's flops and ``GRAM_ENTRY_FLOPS`` for
     each entry it writes: the benchmarks' sites, where the Gram form has as few flops or
     fewer but measured slower, take the product; few wide rows keep the Gram form, up to
     86 tokens of 512 features and not at 87 (the crossover of ``5248 T^2`` against
     ``2**18 (T + 64)``); one row per example takes ``rows``."""
-    from microbatching import _ghost
+    from microbatching._ghost.rules import products
 
     def form(t: int, k: int, n: int) -> str:
-        return _ghost._product_cost(1, t, k, n)[0]
+        return products._product_cost(1, t, k, n).form
 
     assert 64**2 * (128 + 512) < 64 * 128 * 512  # by flops alone, the Gram form
     assert form(64, 128, 512) == form(64, 128, 128) == form(49, 288, 64) == "product"

@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 
 import microbatching
 from microbatching import _clipping, _ghost, micro_grad
+from microbatching._ghost import book_keeping
+from microbatching._ghost.rules import dense as dense_rule
+from microbatching._ghost.rules import gram, products
 
 from .strategies import equations
 
@@ -203,13 +206,13 @@ def test_the_gram_form_stays_where_its_bound_holds_and_falls_back_where_not() ->
     rng = np.random.default_rng(4)
     xs = jnp.asarray(rng.normal(size=(1, 2, WIDTH)), jnp.float32)
     gs = jnp.asarray(rng.normal(size=(1, 2, WIDTH)), jnp.float32)
-    gram, reliable = _ghost._product_norm(xs, gs, gram=True)
-    product, _ = _ghost._product_norm(xs, gs, gram=False)
+    gram, reliable = products._product_norm(xs, gs, gram=True)
+    product, _ = products._product_norm(xs, gs, gram=False)
     assert bool(reliable)
     np.testing.assert_allclose(float(gram), float(product), rtol=1e-6, atol=1e-30)
     v = cotangents(jnp.float32, ratios=(1e3,))[0]
     x = jnp.asarray(np.broadcast_to(A_ROW, (1, 2, WIDTH)), jnp.float32)
-    _, reliable = _ghost._product_norm(x, jnp.asarray(v[None], jnp.float32), gram=True)
+    _, reliable = products._product_norm(x, jnp.asarray(v[None], jnp.float32), gram=True)
     assert not bool(reliable)
 
 
@@ -239,8 +242,8 @@ def gram_terms(kind: int, t: int, k: int, n: int, seed: int) -> tuple[np.ndarray
 
 @jax.jit
 def _gram_and_error(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    xx, gg = _ghost.gram_matrices(x[None]), _ghost.gram_matrices(g[None])
-    return _ghost._gram_sum(xx, gg, x.shape[-1], g.shape[-1])
+    xx, gg = gram.gram_matrices(x[None]), gram.gram_matrices(g[None])
+    return gram._gram_sum(xx, gg, x.shape[-1], g.shape[-1])
 
 
 SHAPES = [
@@ -267,26 +270,26 @@ def test_the_gram_error_bound_covers_the_rounding(shape: tuple[int, int, int]) -
             x, g = gram_terms(kind, *shape, seed=seed)
             total, error = _gram_and_error(jnp.asarray(x), jnp.asarray(g))
             exact = float(np.sum((x.astype(np.float64).T @ g.astype(np.float64)) ** 2))
-            assert abs(float(total) - exact) <= _ghost.GRAM_ERROR_MARGIN * u * float(error)
+            assert abs(float(total) - exact) <= gram.GRAM_ERROR_MARGIN * u * float(error)
 
 
 def test_blocks_and_halving_sums_bound_the_additions():
     """``gram_matrices`` hands ``dot`` at most ``GRAM_BLOCK`` entries and adds the blocks
     by ``tree_sum``, whose depth ``inner_error`` counts; a halving sum is the pairwise one,
     to the bit."""
-    assert _ghost.GRAM_BLOCK == 16
-    assert [_ghost.inner_error(k) for k in (1, 16, 17, 32, 33, 128, 2048)] == [
+    assert gram.GRAM_BLOCK == 16
+    assert [gram.inner_error(k) for k in (1, 16, 17, 32, 33, 128, 2048)] == [
         1, 16, 17, 17, 18, 19, 23,
     ]  # fmt: skip
-    assert [_ghost.outer_error(n) for n in (1, 2, 3, 4, 4096)] == [1, 2, 3, 3, 13]
+    assert [gram.outer_error(n) for n in (1, 2, 3, 4, 4096)] == [1, 2, 3, 3, 13]
     x = np.random.default_rng(0).normal(size=(7, 3)).astype(np.float32)
     halves = [x[0] + x[3], x[1] + x[4], x[2] + x[5], x[6]]
     pairs = (halves[0] + halves[2]) + (halves[1] + halves[3])
-    np.testing.assert_array_equal(np.asarray(_ghost.tree_sum(jnp.asarray(x))), pairs)
-    assert float(_ghost.tree_sum(jnp.zeros((0,)))) == 0.0
+    np.testing.assert_array_equal(np.asarray(gram.tree_sum(jnp.asarray(x))), pairs)
+    assert float(gram.tree_sum(jnp.zeros((0,)))) == 0.0
     rows = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, 40)), jnp.float32)
     want = np.einsum("htk,hsk->hts", np.float64(rows), np.float64(rows))
-    np.testing.assert_allclose(_ghost.gram_matrices(rows), want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(gram.gram_matrices(rows), want, rtol=1e-6, atol=1e-5)
 
 
 _PROPERTY_T, _PROPERTY_K = 4, 8
@@ -438,7 +441,7 @@ def test_sites_that_read_one_input_share_its_gram_matrix():
         fun = lambda ps, ex: [loss({"a": ps[0], "b": ps[1]}, *ex)]  # noqa: E731
         program = _ghost.analyse(fun, params, example)
         assert isinstance(program, _ghost.Program), program
-        return _ghost.shared_inputs(program)
+        return dense_rule.shared_inputs(program)
 
     assert groups(_shared_loss, 2) == [[0, 1]]
 
@@ -725,8 +728,8 @@ def test_the_underflow_bound_is_counted_exactly_where_an_entry_may_underflow(
     factor = jnp.asarray(factors, jnp.float32)
     target = jnp.asarray([1e-3, 1.0, 1e-30, 0.0], jnp.float32)
     got = _ghost.underflow_risk(program, seen, sites, factor, target)
-    sides = [_ghost._scaled_side(program, seen, k) for k in sites]
-    counted = _ghost._counted_risk(program, sites, sides, factor, target)
+    sides = [book_keeping._scaled_side(program, seen, k) for k in sites]
+    counted = book_keeping._counted_risk(program, sites, sides, factor, target)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(counted))
 
 
@@ -737,7 +740,7 @@ def test_the_underflow_bound_is_counted_exactly_where_an_entry_may_underflow(
     signs=st.lists(st.booleans(), min_size=10, max_size=10),
 )
 def test_the_rows_norm_keeps_each_row_norm_apart_from_its_power_of_two(x, g, signs):
-    """``_ghost._rows_norm`` of two shared entries' rows against the float64 norm of the
+    """``products._rows_norm`` of two shared entries' rows against the float64 norm of the
     outer products ``x_h g_h^T`` (inf where that is beyond float32, NaN where a product
     of the entries is, ``0 * inf``): a row's own norm may overflow, or the product of
     two norms underflow, where the gradient is a float32 number."""
@@ -752,7 +755,7 @@ def test_the_rows_norm_keeps_each_row_norm_apart_from_its_power_of_two(x, g, sig
     with np.errstate(invalid="ignore", over="ignore"):
         outer = np.einsum("hk,hn->hkn", flushed(xs), flushed(gs))
         want = np.sqrt(np.sum(outer**2))
-    got = float(_ghost._rows_norm(jnp.asarray(xs), jnp.asarray(gs)))
+    got = float(products._rows_norm(jnp.asarray(xs), jnp.asarray(gs)))
     if np.isnan(want):
         assert np.isnan(got), (got, want)
     elif want > np.finfo(np.float32).max:
