@@ -45,7 +45,7 @@ X64_TESTS = $(shell grep -l 'mark\.x64' tests/test_*.py)
 # JAX_CUSTOM_VJP3 and JAX_REMAT3 turn a custom_vjp and a checkpoint into primitives of a
 # new kind (docs/internals.md, "The primitive table"). Not JAX_SCAN3: on jax 0.10.2,
 # jax.grad of any lax.scan fails in JAX itself under it.
-ENGINE_TESTS = tests/test_primitive_table.py tests/test_ghost.py tests/test_statistics.py \
+ENGINE_TESTS = tests/test_primitive_table.py tests/test_engine_rooms.py tests/test_ghost.py tests/test_statistics.py \
 	tests/test_weights.py tests/test_gradients.py tests/test_exact.py tests/test_norm_numerics.py
 FUTURE_FLAGS := JAX_CUSTOM_VJP3=1 JAX_REMAT3=1
 

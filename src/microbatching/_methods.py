@@ -9,9 +9,11 @@ rule of each parameter leaf's norm, whether a plain gradient may be seeded by th
 sharded layout. The loop's body
 only runs the planned method's step; ``clipping_report`` prints the same plan.
 
-A method is one entry of ``METHODS``: a name and a step with one signature,
-``step(sums, seed, weights, args, kwargs) -> (summed gradient, Aux)``. A new method is
-one more entry, with the facts the wrap-time checks and the plan read from it.
+A method is one object (a subclass of ``Method``) that owns its wrap-time check, its plan
+when asked for by name (which raises, with the fix, where it cannot compute the call) and
+its step, ``step(sums, seed, weights, args, kwargs) -> (summed gradient, Aux)``. ``plan``
+asks the method named by ``clip_method``, or ``_auto`` picks one. A new method is one
+subclass and one entry of ``METHODS``.
 """
 
 from __future__ import annotations
@@ -47,147 +49,212 @@ where the plan found the gradient of the summed loss exact); ``weights`` the
 microbatch's ``example_weights``, or None."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Method:
-    """One way to compute a microbatch's summed gradient, its clipping and its norms.
+    """One way to compute a microbatch's summed gradient, its clipping and its norms: the
+    object owns its wrap-time check (``refusal``), its plan when asked for by name
+    (``plan``, which says why it declines a call), and its ``step``. ``auto``'s choice
+    among them is ``_auto``; a new method is one more subclass and its entry in
+    ``METHODS`` (and, where users may ask for it, in ``_typing.ClipMethod``).
 
     Attributes:
       name: As ``clip_method`` names it and ``clipping_report`` shows it.
-      step: The computation (``Step``).
       scales_loss: Whether it takes the gradient of the loss weighted by one clip factor
-        per example: exact only where ``_summed_is_exact`` says so, with one bound for
-        the whole gradient, and NaN for an example whose loss is not finite.
+        per example: exact only where ``_per_example.summed_differs`` says so, with one
+        bound for the whole gradient, and NaN for an example whose loss is not finite.
       forms_gradients: Whether it forms each example's gradient, which a ``metrics_fn``
         that reads more than their norms needs.
       ghost_norms: Whether its norms are the ghost norms read off the traced program;
         else they are those of the per-example gradients (``kept`` reads the same ones).
+      sums_only: Whether it computes the (clipped) sum and nothing else, so that a
+        ``transform_fn`` or an accumulator that needs more refuses it.
     """
 
-    name: str
-    step: Step
-    scales_loss: bool
-    forms_gradients: bool
-    ghost_norms: bool
+    name: str = ""
+    scales_loss: bool = False
+    forms_gradients: bool = False
+    ghost_norms: bool = False
+    sums_only: bool = True
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        """``Step``: a microbatch's summed gradient and its ``Aux``."""
+        raise NotImplementedError
+
+    def plan(self, call: Call) -> GradPlan:
+        """The plan of ``call`` where it asks for this method by name (a summed call with
+        clipping or norms); raises a ValueError naming the fix where the method cannot
+        compute it."""
+        raise NotImplementedError
 
     def check(self, request: GradRequest) -> None:
         """Wrap-time: raises a ValueError naming the fix where this method, asked for by
         name, cannot compute ``request``."""
+        why = self.refusal(request)
+        if why is not None:
+            raise ValueError(why)
+
+    def refusal(self, request: GradRequest) -> str | None:
+        """``check``'s message, or None."""
         name, clipping = self.name, request.clipping
-        if name == "statistics":
-            if not (_accumulators.is_linear(request.accumulators) and not request.batched_grad):
-                raise ValueError(
-                    "micro_grad was given clip_method='statistics', which sums the "
-                    "transformed gradients from the layers' activations and cotangents, "
-                    "but each example's gradient is needed for "
-                    f"{_joined(request.unsummable)}; {_joined(_fixes(request, False))}, or "
-                    "pass clip_method='auto'."
-                )
-            return
         if self.scales_loss and clipping and len(jax.tree.leaves(clipping.bound)) > 1:
-            raise ValueError(
+            return (
                 f"micro_grad was given clip_method={name!r}, which scales each example's "
                 "loss by one factor, and a pytree l2_clip_norm, which needs one factor per "
                 "subtree; pass clip_method='ghost', 'materialize' or 'auto'."
             )
         if self.scales_loss and clipping and clipping.nan_safe:
-            raise ValueError(
+            return (
                 f"micro_grad was given clip_method={name!r} and nan_safe=True, but "
                 f"{name!r} takes the gradient of the losses weighted by the clip factors, "
                 "and an example whose loss is not finite makes that gradient NaN even at "
                 "factor 0; pass clip_method='auto', 'ghost' or 'materialize', which drop it."
             )
         if not self.forms_gradients and request.gradient_metrics:
-            raise ValueError(
+            return (
                 f"micro_grad was given clip_method={name!r} and "
                 f"metrics_fn={_checks.function_name(request.metrics)}, which needs each example's "
                 "gradient; the "
                 f"{name} method never forms them. Pass metrics_fn=microbatching.l2_norm "
                 "for the per-example norms, or clip_method='auto'."
             )
-        if name != "materialize" and not request.summed:
+        if self.sums_only and not request.summed:
             # Only a transform_fn in the way: the statistics method may read it.
             readable = "" if request.unsummable else ", 'statistics'"
-            raise ValueError(
+            return (
                 f"micro_grad was given clip_method={name!r}, which computes the sum of "
                 "the clipped gradients and nothing else, but more than their sum is needed "
                 f"for {_joined(request.unsummed)}; pass clip_method='auto'{readable} or "
                 f"'materialize', or {_joined(_fixes(request, True))}."
             )
         unclipped = clipping is None and request.metrics is _per_example.no_metrics
-        if name != "materialize" and unclipped:
-            raise ValueError(
+        if self.sums_only and unclipped:
+            return (
                 f"micro_grad was given clip_method={name!r}, which says how the clipped "
                 "sum and the per-example norms are computed, but neither l2_clip_norm nor "
                 "metrics_fn=microbatching.l2_norm, so nothing would be clipped: the call "
                 "would return the plain, unclipped sum. Pass l2_clip_norm (or "
                 "metrics_fn=microbatching.l2_norm), or leave clip_method='auto'."
             )
+        return None
 
 
-def _plain(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    return _per_example.weighted_gradient(sums, None, None, seed, weights, args, kwargs)
+class Plain(Method):
+    """No clipping and no metrics: one gradient of the (weighted) summed loss. ``auto``
+    takes it where that gradient is exact; it cannot be asked for by name."""
+
+    name, scales_loss = "plain", True
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        return _per_example.weighted_gradient(sums, None, None, seed, weights, args, kwargs)
 
 
-def _ghost_step(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    out = _per_example.ghost(sums, weights, args, kwargs)
-    if isinstance(out, str):  # the plan read the same program before the loop
-        raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {out}.")
-    return out
+class Ghost(Method):
+    """Norms read off the traced program, the clipped sum by book-keeping (``_ghost``)."""
+
+    name, ghost_norms = "ghost", True
+
+    def plan(self, call: Call) -> GradPlan:
+        program = call.program()
+        if isinstance(program, str):
+            raise ValueError(_NO_GHOST.format(method=self.name, reason=program))
+        return call.ghost_plan(self, _ASKED, program)
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        out = _per_example.ghost(sums, weights, args, kwargs)
+        if isinstance(out, str):  # the plan read the same program before the loop
+            raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {out}.")
+        return out
 
 
-def _two_pass(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    norms = _per_example.ghost_norms(sums, args, kwargs)
-    if isinstance(norms, str):
-        raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {norms}.")
-    factors = None
-    if sums.clipping is not None:
-        params = [args[i] for i in sums.example.nums()]
-        factors = sums.clipping.per_leaf(norms, params)[0]
-    measured = sums.of_norms(norms)
-    return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
+class TwoPass(Ghost):
+    """Ghost norms, then the gradient of the loss weighted by the clip factors."""
+
+    name, scales_loss = "two_pass", True
+
+    def plan(self, call: Call) -> GradPlan:
+        call.need_exact(self)
+        return super().plan(call)
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        norms = _per_example.ghost_norms(sums, args, kwargs)
+        if isinstance(norms, str):
+            raise RuntimeError(f"micro_grad planned the ghost norms, but in the loop {norms}.")
+        factors = None
+        if sums.clipping is not None:
+            params = [args[i] for i in sums.example.nums()]
+            factors = sums.clipping.per_leaf(norms, params)[0]
+        measured = sums.of_norms(norms)
+        return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
 
 
-def _chunked(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    measured, factors = _per_example.statistics_in_chunks(sums, args, kwargs)
-    return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
+class Chunked(Method):
+    """Per-example gradients a chunk of rows at a time for the norms (and metrics), then
+    the gradient of the loss weighted by the clip factors."""
+
+    name, scales_loss, forms_gradients = "chunked", True, True
+
+    def plan(self, call: Call) -> GradPlan:
+        call.need_exact(self)
+        return call.each(self, "per-example", _ASKED)
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        measured, factors = _per_example.statistics_in_chunks(sums, args, kwargs)
+        return _per_example.weighted_gradient(sums, measured, factors, seed, weights, args, kwargs)
 
 
-def _statistics_step(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    out = _per_example.statistics(sums, weights, args, kwargs)
-    if isinstance(out, str):  # the plan read the same program before the loop
-        raise RuntimeError(f"micro_grad planned the statistics, but in the loop {out}.")
-    return out
+class Materialize(Method):
+    """Per-example gradients, scaled and summed in the accumulation dtype: exact for any
+    call, the path every other method declines to."""
+
+    name, forms_gradients, sums_only = "materialize", True, False
+
+    def plan(self, call: Call) -> GradPlan:
+        return call.each(self, "per-example", _ASKED)
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        return _per_example.explicit(sums, weights, args, kwargs)
 
 
-def _materialize(sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
-    return _per_example.explicit(sums, weights, args, kwargs)
+class Statistics(Method):
+    """A ``transform_fn`` read off its traced program: each output leaf's sum from the
+    sites of the ghost engine, by the form ``_statistics`` gives it, without the
+    per-example gradients of the model."""
+
+    name, ghost_norms = "statistics", True
+
+    def refusal(self, request: GradRequest) -> str | None:
+        if _accumulators.is_linear(request.accumulators) and not request.batched_grad:
+            return None
+        return (
+            "micro_grad was given clip_method='statistics', which sums the "
+            "transformed gradients from the layers' activations and cotangents, "
+            "but each example's gradient is needed for "
+            f"{_joined(request.unsummable)}; {_joined(_fixes(request, False))}, or "
+            "pass clip_method='auto'."
+        )
+
+    def plan(self, call: Call) -> GradPlan:
+        found = _statistics_plan(call.request, call.args, call.kwargs, call.layout, call.sharded)
+        if isinstance(found, Declined):
+            raise ValueError(_NO_STATISTICS.format(reason=found.reason))
+        return found
+
+    def step(self, sums: Sums, seed: Any, weights: Any, args: Any, kwargs: Any) -> Any:
+        out = _per_example.statistics(sums, weights, args, kwargs)
+        if isinstance(out, str):  # the plan read the same program before the loop
+            raise RuntimeError(f"micro_grad planned the statistics, but in the loop {out}.")
+        return out
 
 
-PLAIN = Method("plain", _plain, scales_loss=True, forms_gradients=False, ghost_norms=False)
-"""No clipping and no metrics: one gradient of the (weighted) summed loss."""
-GHOST = Method("ghost", _ghost_step, scales_loss=False, forms_gradients=False, ghost_norms=True)
-"""Norms read off the traced program, the clipped sum by book-keeping (``_ghost``)."""
-TWO_PASS = Method("two_pass", _two_pass, scales_loss=True, forms_gradients=False, ghost_norms=True)
-"""Ghost norms, then the gradient of the loss weighted by the clip factors."""
-CHUNKED = Method("chunked", _chunked, scales_loss=True, forms_gradients=True, ghost_norms=False)
-"""Per-example gradients a chunk of rows at a time for the norms (and metrics), then
-the gradient of the loss weighted by the clip factors."""
-MATERIALIZE = Method(
-    "materialize", _materialize, scales_loss=False, forms_gradients=True, ghost_norms=False
-)
-"""Per-example gradients, scaled and summed in the accumulation dtype."""
-STATISTICS = Method(
-    "statistics", _statistics_step, scales_loss=False, forms_gradients=False, ghost_norms=True
-)
-"""A ``transform_fn`` read off its traced program: each output leaf's sum from the
-sites of the ghost engine, by the form ``_statistics`` gives it, without the
-per-example gradients of the model."""
+PLAIN, GHOST, TWO_PASS = Plain(), Ghost(), TwoPass()
+CHUNKED, MATERIALIZE, STATISTICS = Chunked(), Materialize(), Statistics()
 
 METHODS: dict[str, Method] = {
     m.name: m for m in (PLAIN, GHOST, TWO_PASS, CHUNKED, MATERIALIZE, STATISTICS)
 }
-"""Every method, by name; ``clip_method`` names all but ``plain`` and ``statistics``
-(which ``auto`` picks for a ``transform_fn`` it can read), and ``"auto"``."""
+"""Every method, by name; ``clip_method`` names all but ``plain`` (and ``"auto"``)."""
+
+ASKED_BY_NAME: tuple[str, ...] = tuple(name for name in METHODS if name != "plain")
+"""The methods ``clip_method`` may name, beside ``"auto"`` (``_typing.ClipMethod``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +456,86 @@ class GradPlan:
         return plain and _accumulators.averages_rows(accumulators)
 
 
+class Call:
+    """One summed call being planned: the request, its arguments, and what the plan reads
+    of the loss, each read at most once (``exact`` traces the summed loss's program,
+    ``program`` reads the ghost engine's)."""
+
+    def __init__(
+        self,
+        request: GradRequest,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        layout: _fsdp.Layout | None,
+        sharded: bool,
+    ) -> None:
+        self.request, self.args, self.kwargs = request, args, kwargs
+        self.layout, self.sharded = layout, sharded
+        self.sums = request.sums()
+        self._differs: _per_example.Differs | None = None
+        self._program: _ghost.Program | str | None = None
+
+    def why_not_exact(self) -> str | None:
+        """Why one gradient of the summed loss is not the sum of the per-example
+        gradients here, in words; None where it is."""
+        if self._differs is None:
+            self._differs = _per_example.summed_differs(self.sums, self.args, self.kwargs)
+        return self._differs.why()
+
+    def exact(self) -> bool:
+        return self.why_not_exact() is None
+
+    def need_exact(self, method: Method) -> None:
+        """Raises where ``method``, which differentiates the factor-weighted loss, would
+        not be exact."""
+        if not self.exact():
+            why = self.why_not_exact()
+            raise ValueError(_NOT_LINEAR.format(method=method.name, reason=why))
+
+    def program(self) -> _ghost.Program | str:
+        """The loss's program as the ghost engine reads it, or why it does not."""
+        if self._program is None:
+            self._program = _per_example.read_program(self.sums, self.args, self.kwargs)
+        return self._program
+
+    def each(
+        self,
+        method: Method,
+        rule: str,
+        why: str,
+        predicted: tuple[tuple[str, int], ...] = (),
+    ) -> GradPlan:
+        """The plan of ``method``, every leaf's norm by ``rule``."""
+        paths = _per_example.leaf_paths(self.request.example, self.args)
+        params = jax.tree.leaves([self.args[i] for i in self.request.example.nums()])
+        leaves = tuple(
+            LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
+            for path, p in zip(paths, params, strict=True)
+        )
+        summed = self.request.summed
+        return GradPlan(method, why, leaves, summed, self.layout, predicted=predicted)
+
+    def ghost_plan(self, method: Method, why: str, program: _ghost.Program) -> GradPlan:
+        """The plan of ``method`` (``ghost`` or ``two_pass``) with each leaf's rule from
+        ``program``, and the costs ``auto`` compares."""
+        ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)
+        costs = (
+            f"{ghost:,} flops of norms per example against {per_example:,} for per-example "
+            "gradients"
+        )
+        predicted = (("ghost", ghost), ("materialize", per_example))
+        leaves = _rules_of(self, program)
+        return GradPlan(method, f"{why}: {costs}", leaves, layout=self.layout, predicted=predicted)
+
+
+def _rules_of(call: Call, program: _ghost.Program) -> tuple[LeafRule, ...]:
+    paths = _per_example.leaf_paths(call.request.example, call.args)
+    return tuple(
+        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
+        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
+    )
+
+
 _ASKED = "asked for"
 _CHEAPER = "forming the per-example gradients costs less"
 _NO_GHOST = (
@@ -416,36 +563,21 @@ def plan(
     gradient of the summed loss is exact for weights where it is exact at all
     (``_per_example.summed_differs``).
 
-    Every decision of the summed path is here, in this order: nothing per example (the
-    plain gradient, where exact); a ``metrics_fn`` that needs the gradients (chunked);
-    a method asked for by name; the ghost norms where they read the loss and cost less
-    than forming the gradients (``auto``); chunked, else materialize.
+    In this order: an empty batch or a missing argument (materialize, which says what is
+    missing); a ``metrics_fn`` read as a function of the norms (``auto``); a call that
+    needs more than the sum (``_per_example_plan``); the method asked for by name
+    (``Method.plan``); else ``auto``'s choice (``_auto``).
     """
+    call = Call(request, args, kwargs, layout, sharded)
     if any(i >= len(args) for i in request.example.nums()):  # the loop says what is missing
         return GradPlan(MATERIALIZE, "a differentiated argument is missing", (), request.summed)
-    sums, asked = request.sums(), request.method
     if request.example.keep_batch_dim:
         _warn_if_rows_mix(request.example, args, kwargs)
-    paths = _per_example.leaf_paths(request.example, args)
-    params = jax.tree.leaves([args[i] for i in request.example.nums()])
-
-    def each(
-        method: Method,
-        rule: str,
-        why: str,
-        predicted: tuple[tuple[str, int], ...] = (),
-    ) -> GradPlan:
-        leaves = tuple(
-            LeafRule(path, tuple(jnp.shape(p)), rule, (), 0)
-            for path, p in zip(paths, params, strict=True)
-        )
-        return GradPlan(method, why, leaves, request.summed, layout, predicted=predicted)
-
     first = _per_example.find_batched(request.example.axes, args, kwargs)
     if first is None or not first.shape[0]:
-        return each(MATERIALIZE, "per-example", "the batch is empty")
+        return call.each(MATERIALIZE, "per-example", "the batch is empty")
     unread = None
-    if request.gradient_metrics and asked == "auto":
+    if request.gradient_metrics and request.method == "auto":
         measured = _norms_metric(request, args, layout, sharded)
         if isinstance(measured, _scaled.NormsMetric):
             inner = dataclasses.replace(request, metrics=measured)
@@ -456,38 +588,25 @@ def plan(
             return dataclasses.replace(found, metrics=measured, reason=f"{read}; {found.reason}")
         unread = measured
     if not request.summed:
-        return _per_example_plan(request, args, kwargs, layout, sharded, each)
-    if asked == "statistics":
-        found = _statistics_plan(request, args, kwargs, layout, sharded)
-        if isinstance(found, Declined):
-            raise ValueError(_NO_STATISTICS.format(reason=found.reason))
-        return found
-    differs: list[_per_example.Differs] = []
+        return _per_example_plan(request, args, kwargs, layout, sharded, call.each)
+    if request.method != "auto":
+        return METHODS[request.method].plan(call)
+    return _auto(call, unread)
 
-    def why_not() -> str | None:  # the loss traced once, at most
-        if not differs:
-            differs.append(_per_example.summed_differs(sums, args, kwargs))
-        return differs[0].why()
 
-    def exact() -> bool:
-        return why_not() is None
-
-    def not_linear() -> ValueError:
-        return ValueError(_NOT_LINEAR.format(method=asked, reason=why_not()))
-
-    if request.clipping is None and sums.metrics is None:  # auto or materialize (check)
-        if asked != "materialize" and exact():
-            return each(PLAIN, "unused", "no clipping and no norms")
-        why = _ASKED if asked == "materialize" else f"not one gradient per microbatch: {why_not()}"
-        return each(MATERIALIZE, "per-example", why)
-    if asked == "materialize":
-        return each(MATERIALIZE, "per-example", _ASKED)
-    if asked in ("two_pass", "chunked") and not exact():
-        raise not_linear()
-    if asked == "chunked":
-        return each(CHUNKED, "per-example", _ASKED)
-    if request.gradient_metrics:  # auto: ghost and two_pass are refused at wrap time
-        found = _statistics_plan(request, args, kwargs, layout, sharded)
+def _auto(call: Call, unread: str | None) -> GradPlan:
+    """``auto``'s method for a summed call: nothing per example (the plain gradient,
+    where exact); a ``metrics_fn`` that needs the gradients (the statistics method where
+    it reads it, else forming them); the ghost norms where they read the loss and cost
+    less than forming the gradients; else forming them (``_forming``)."""
+    request = call.request
+    if request.clipping is None and call.sums.metrics is None:
+        if call.exact():
+            return call.each(PLAIN, "unused", "no clipping and no norms")
+        why = f"not one gradient per microbatch: {call.why_not_exact()}"
+        return call.each(MATERIALIZE, "per-example", why)
+    if request.gradient_metrics:
+        found = _statistics_plan(request, call.args, call.kwargs, call.layout, call.sharded)
         if not isinstance(found, Declined):
             return found
         why = (
@@ -496,28 +615,13 @@ def plan(
         )
         if unread is not None:
             why += f": {unread}"
-        return each(_forming(request, exact), "per-example", why)
-    program = _per_example.read_program(sums, args, kwargs)
+        return call.each(_forming(call), "per-example", why)
+    program = call.program()
     if isinstance(program, str):
-        if asked in ("ghost", "two_pass"):
-            raise ValueError(_NO_GHOST.format(method=asked, reason=program))
-        return each(_forming(request, exact), "per-example", program)
-    leaves = tuple(
-        LeafRule(path, tuple(program.avals[leaf].shape), r.name, r.primitives, r.flops, r.form)
-        for leaf, (path, r) in enumerate(zip(paths, program.rules, strict=True))
-    )
-    ghost, per_example = _ghost.ghost_cost(program), _ghost.materialize_cost(program)
-    costs = (
-        f"{ghost:,} flops of norms per example against {per_example:,} for per-example gradients"
-    )
-    predicted = (("ghost", ghost), ("materialize", per_example))
-    if asked == "auto" and per_example < ghost:
-        return GradPlan(
-            MATERIALIZE, f"{_CHEAPER}: {costs}", leaves, layout=layout, predicted=predicted
-        )
-    why = _ASKED if asked != "auto" else "the ghost norms read this loss"
-    method = TWO_PASS if asked == "two_pass" else GHOST
-    return GradPlan(method, f"{why}: {costs}", leaves, layout=layout, predicted=predicted)
+        return call.each(_forming(call), "per-example", program)
+    if _ghost.materialize_cost(program) < _ghost.ghost_cost(program):
+        return call.ghost_plan(MATERIALIZE, _CHEAPER, program)
+    return call.ghost_plan(GHOST, "the ghost norms read this loss", program)
 
 
 def _norms_metric(
@@ -530,14 +634,14 @@ def _norms_metric(
     return _scaled.read_metric(request.metrics, grads)
 
 
-def _forming(request: GradRequest, exact: Callable[[], bool]) -> Method:
+def _forming(call: Call) -> Method:
     """``auto``'s method where the per-example gradients must be formed: ``chunked`` (a
     chunk of examples at a time) where the summed loss's gradient is exact and nothing
     is clipped, else ``materialize``. Clipped, ``chunked`` differentiates the
     factor-weighted loss: one factor for the whole gradient (no per-layer bounds), no
     ``nan_safe``, and cotangents that a small factor can flush below ``tiny``, which
     ``materialize`` (each gradient formed, then clipped) bounds."""
-    return CHUNKED if request.clipping is None and exact() else MATERIALIZE
+    return CHUNKED if call.request.clipping is None and call.exact() else MATERIALIZE
 
 
 _NO_STATISTICS = (

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from .. import _clipping, _sharding, _tuning
 from .program import Program, Rule
 from .recorder import Recorded
-from .rules import BY_NAME
+from .rules import named
+from .rules.base import GhostRule
 from .rules.dense import _dense_rows, shared_inputs
 from .rules.direct import _direct_norms
 from .rules.gram import HIGHEST, gram_matrices
@@ -31,7 +32,7 @@ def leaf_norms(program: Program, params: Sequence[Any], seen: Recorded) -> jax.A
             columns[leaf] = norms[:, j]
     alone = {leaf for leaves in shared for leaf in leaves}
     for leaf, rule in enumerate(program.rules):
-        if rule.name in BY_NAME and leaf not in alone:
+        if named(rule.name) is not None and leaf not in alone:
             columns[leaf] = _site_norms(program, rule, seen)
     direct = [leaf for leaf, r in enumerate(program.rules) if r.name == "direct"]
     if direct:
@@ -118,7 +119,7 @@ def _recomputed(
 ) -> jax.Array:
     """``norms`` of a chunk of examples, those not ``reliable`` recomputed by the product
     form (a branch: only where some example needs it)."""
-    site, norm = program.sites[rule.sites[0]], BY_NAME[rule.name].norm
+    site, norm = program.sites[rule.sites[0]], _rule_of(rule).norm
 
     def product(pair: Any) -> jax.Array:
         return norm(program, site, *pair, gram=False)[0]
@@ -132,7 +133,7 @@ def _recomputed(
 
 def _checked(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     """A ``gram`` rule's norms of a chunk of examples, checked (``_recomputed``)."""
-    site, norm = program.sites[rule.sites[0]], BY_NAME[rule.name].norm
+    site, norm = program.sites[rule.sites[0]], _rule_of(rule).norm
     norms, reliable = jax.vmap(lambda x, g: norm(program, site, x, g, gram=True))(*chunk)
     return _recomputed(program, rule, chunk, norms, reliable)
 
@@ -142,13 +143,13 @@ def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
     form's chunk of examples is recomputed by the product form, inside the compiled loop,
     where any of its examples fails the Gram form's error bound (``_reliable``)."""
     k = rule.sites[0]
-    site, norm = program.sites[k], BY_NAME[rule.name].norm
+    site, norm = program.sites[k], _rule_of(rule).norm
 
     def product(pair: Any) -> jax.Array:
         return norm(program, site, *pair, gram=False)[0]
 
     pairs = (seen.inputs[k], seen.cotangents[k])
-    if rule.form != "gram" and BY_NAME[rule.name].rows is not None:
+    if rule.form != "gram" and _rule_of(rule).rows is not None:
         return _by_chunks(
             lambda chunk: _unscaled(program, rule, chunk), pairs, _chunk_rows(rule.bytes)
         )
@@ -172,8 +173,9 @@ def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     sqrt(tiny)``. A product that overflowed is ``inf`` or NaN, outside the range. The
     scaled form costs a largest-magnitude pass over every row and a multiplication per
     entry (on the MLP of ``benchmarks/clipping.py``, a fifth of a ghost step's thunks)."""
-    site, rows = program.sites[rule.sites[0]], BY_NAME[rule.name].rows
-    assert rows is not None  # _site_norms takes this form only for a rule with rows
+    site, rows = program.sites[rule.sites[0]], _rule_of(rule).rows
+    if rows is None:  # _site_norms takes this form only for a rule with rows
+        raise RuntimeError(f"the {rule.name!r} rule has no rows to norm.")
     xs, gs = jax.vmap(lambda x, g: rows(program, site, x, g))(*chunk)
     info = jnp.finfo(xs.dtype)
     low, high = _clipping.SAFE_LOW * info.tiny, info.max / _clipping.SAFE_HIGH
@@ -241,3 +243,11 @@ def _by_chunks(f: Callable[[Any], jax.Array], xs: Any, size: int) -> jax.Array:
     if rows > whole:
         parts.append(f(jax.tree.map(lambda x: x[whole:], xs)))
     return jnp.concatenate(parts)
+
+
+def _rule_of(rule: Rule) -> GhostRule:
+    """The ``GhostRule`` a leaf's ``Rule`` names (one of ``RULES``)."""
+    found = named(rule.name)
+    if found is None:
+        raise RuntimeError(f"micro_grad planned the {rule.name!r} rule, which RULES does not hold.")
+    return found

@@ -104,5 +104,8 @@ RULES: dict[Any, GhostRule] = {
 """The rules that read a leaf's norm off its one site, keyed by the site's primitive
 (the ``Primitive`` object): a new rule is a file of this package and a line here."""
 
-BY_NAME: dict[str, GhostRule] = {rule.name: rule for rule in RULES.values()}
-"""The same rules by name, as a leaf's ``Rule`` holds it."""
+
+def named(name: str) -> GhostRule | None:
+    """The rule of ``RULES`` called ``name``, as a leaf's ``Rule`` holds it; None for
+    ``direct`` and ``unused``."""
+    return next((rule for rule in RULES.values() if rule.name == name), None)

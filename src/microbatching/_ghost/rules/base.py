@@ -44,6 +44,7 @@ class Norm(Protocol):
         gram: bool,
     ) -> tuple[jax.Array, jax.Array]: ...
 
+
 Rows = Callable[[Program, Site, Sequence[Any], Sequence[Any]], tuple[jax.Array, jax.Array]]
 """``rows(program, site, inputs, cotangents)``: one example's rows ``(H, T, K)`` and
 ``(H, T, N)`` whose outer products, summed over ``T``, are the leaf's gradient."""
