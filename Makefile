@@ -136,6 +136,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/compare.py
 	$(BIN)/python benchmarks/accumulation.py
 	$(BIN)/python benchmarks/clipping.py
+	$(BIN)/python benchmarks/compile_time.py
 	$(BIN)/python benchmarks/remainder.py
 	$(BIN)/python benchmarks/gradient_statistics.py
 	$(BIN)/python benchmarks/plan.py

@@ -31,6 +31,7 @@ RESULTS = {
     "RESULTS.md": "compare.py",
     "ACCUMULATION.md": "accumulation.py",
     "CLIPPING.md": "clipping.py",
+    "COMPILE.md": "compile_time.py",
     "REMAINDER.md": "remainder.py",
     "STATISTICS.md": "gradient_statistics.py",
     "PLAN.md": "plan.py",
