@@ -27,7 +27,7 @@ conv_canonicalization.cc``). The weight gradient of a convolution reads its inpu
 batch and feature swapped (``dim_labels=f01b_i01o->01bf`` in the compiled HLO): at the
 top level it is reordered, inside a while body it runs as a plain loop nest. The
 microbatching library applies the same reordering to the programs it puts in its loop
-(``src/microbatching/_convs.py``): ``microbatch(jax.grad(loss))`` of this model then
+(``src/microbatching/_xla_cpu/convs.py``): ``microbatch(jax.grad(loss))`` of this model then
 takes about 100 ms. Run:
 
     .venv/bin/python benchmarks/xla_conv_grad_in_loop_repro.py

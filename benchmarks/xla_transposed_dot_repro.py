@@ -16,9 +16,9 @@ norms, as a clipped step does. Run:
     .venv/bin/python benchmarks/xla_transposed_dot_repro.py
 
 The microbatching library writes each such pair of its loop body as the swapped product
-(``src/microbatching/_dots.py``, gated by ``_workarounds.DOT_ORDER``). Inside the loop of
-a clipped step, beside the rest of a transformer's backward pass, the difference is
-larger than in this small program: see ``docs/concepts.md``.
+(``src/microbatching/_xla_cpu/dots.py``, gated by ``_xla_cpu.workarounds.DOT_ORDER``).
+Inside the loop of a clipped step, beside the rest of a transformer's backward pass, the
+difference is larger than in this small program: see ``docs/concepts.md``.
 """
 
 import re

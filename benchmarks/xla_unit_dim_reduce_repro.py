@@ -16,7 +16,8 @@ Measured here on 2 CPU cores (medians of 21 calls, in ms):
 | (64, 1, 64, 128) | 3 | 2.9 | 0.54 |
 
 The microbatching library reshapes such reductions in the programs it puts in its loop
-(``src/microbatching/_squeeze.py``, gated by ``_workarounds.UNIT_REDUCE``). Run:
+(``src/microbatching/_xla_cpu/squeeze.py``, gated by
+``_xla_cpu.workarounds.UNIT_REDUCE``). Run:
 
     .venv/bin/python benchmarks/xla_unit_dim_reduce_repro.py
 """

@@ -266,7 +266,7 @@ def test_convolutions_inside_jit_and_checkpoint_of_fun_are_reordered(cnn, cnn_va
 def test_only_convolutions_eigen_runs_are_reordered():
     """Just outside the rewrite's condition: 4 spatial dimensions (Eigen takes 1 to 3)
     stay as they are; a 2-D one in another order is reordered, to the same values."""
-    from microbatching import _convs
+    from microbatching._xla_cpu import convs as _convs
 
     def program(spatial):
         lhs = "NC" + "DHWT"[:spatial]

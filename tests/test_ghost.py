@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import microbatching
-from microbatching import AccumulationType, _workarounds, micro_grad
+from microbatching import AccumulationType, micro_grad
+from microbatching._xla_cpu import workarounds as _workarounds
 
 from .strategies import assert_close, equations, mesh
 

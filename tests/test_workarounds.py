@@ -12,7 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.extend.core import jaxpr_as_fun
 
-from microbatching import _convs, _dots, _layout, _squeeze, _workarounds, micro_grad, micro_vmap
+from microbatching import _layout, micro_grad, micro_vmap
+from microbatching._xla_cpu import convs as _convs
+from microbatching._xla_cpu import dots as _dots
+from microbatching._xla_cpu import squeeze as _squeeze
+from microbatching._xla_cpu import workarounds as _workarounds
 
 from .strategies import assert_close, equations
 

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from . import _sharding, _workarounds
+from . import _sharding
 from ._checks import ensure_microbatch_size, is_int
 from ._typing import PyTree
+from ._xla_cpu import workarounds as _workarounds
 
 REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min}
 EXTREMA = ("max", "min")

@@ -22,15 +22,13 @@ from . import (
     _accumulators,
     _batch,
     _checks,
-    _convs,
-    _dots,
     _eager,
     _layout,
     _programs,
     _progress,
     _remat,
     _sharding,
-    _squeeze,
+    _xla_cpu,
 )
 from ._batch import Batch
 from ._signature import SHAPES_NOTE, BatchAxes, first_few
@@ -320,7 +318,7 @@ def _trace(body: Function, loop: Loop) -> Programs:
                 elif not any(n.startswith((SHAPES_NOTE, _SPLIT_START)) for n in notes):
                     err.add_note(_split(batch, loop.size))
             raise
-        return _squeeze.squeezed(_dots.swapped(_convs.canonical(program))), shapes
+        return _xla_cpu.rewrite(program), shapes
 
     main, shapes = traced(
         [

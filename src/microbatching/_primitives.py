@@ -336,8 +336,8 @@ _CHECKED_PARAMS: dict[str, frozenset[str]] = {
     "reduce_max": frozenset({"axes"}),
     "reduce_min": frozenset({"axes"}),
 }  # fmt: skip
-"""The parameters of each primitive that a backend rewrite (``_convs``, ``_dots``,
-``_squeeze``) reads or writes, as jax 0.10.2 names them."""
+"""The parameters of each primitive that a backend rewrite (``_xla_cpu``'s ``convs``,
+``dots``, ``squeeze``) reads or writes, as jax 0.10.2 names them."""
 
 _CHECKED = {p: names for name, names in _CHECKED_PARAMS.items() if (p := _primitive(_where(name)))}
 

@@ -27,7 +27,8 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, new_jaxpr_eqn
 
-from . import _primitives, _programs, _workarounds
+from .. import _primitives, _programs
+from . import workarounds as _workarounds
 
 _DOT = jax.lax.dot_general_p
 _TRANSPOSE = jax.lax.transpose_p

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var, new_jaxpr_eqn
 
-from . import _primitives, _programs, _workarounds
+from .. import _primitives, _programs
+from . import workarounds as _workarounds
 
 _REDUCTIONS = (jax.lax.reduce_sum_p, jax.lax.reduce_max_p, jax.lax.reduce_min_p)
 _RESHAPE = jax.lax.reshape_p

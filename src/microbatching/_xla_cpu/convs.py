@@ -44,7 +44,8 @@ from jax.extend.core import (
     new_jaxpr_eqn,
 )
 
-from . import _primitives, _programs, _workarounds
+from .. import _primitives, _programs
+from . import workarounds as _workarounds
 
 _CONV = jax.lax.conv_general_dilated_p
 _TRANSPOSE = jax.lax.transpose_p
