@@ -147,7 +147,10 @@ def test_wheel_contents_and_metadata(wheel: Path):
         info = f"microbatching-{PYPROJECT['version']}.dist-info"
         metadata = email.parser.Parser().parsestr(archive.read(f"{info}/METADATA").decode())
     package = {name for name in names if not name.startswith(f"{info}/")}
-    sources = {f"microbatching/{p.name}" for p in (ROOT / "src/microbatching").glob("*.py")}
+    source_root = ROOT / "src"
+    sources = {
+        p.relative_to(source_root).as_posix() for p in (source_root / "microbatching").rglob("*.py")
+    }
     assert package == sources | {"microbatching/py.typed"}
     assert f"{info}/licenses/LICENSE" in names
     assert metadata["Name"] == "microbatching"
