@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
@@ -979,7 +979,9 @@ def test_a_sign_whose_clip_factor_comes_from_another_leaf_keeps_every_example():
     assert_close(fn(p, x, y, z)[0], jnp.array([[2.0]]))
 
 
-@settings(max_examples=20, deadline=None)
+# The assume below keeps about one draw in six (the reference's norms in range), which
+# Hypothesis's filter health check can flag at random: the filtering is the test's own.
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(
     x_exp=st.integers(-20, 20),
     d_exp=st.integers(-30, 0),
