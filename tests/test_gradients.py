@@ -28,7 +28,7 @@ from microbatching import (
     microbatch,
 )
 from microbatching._batch_statistics import PROBE_ROWS
-from microbatching._per_example import _chunk_size
+from microbatching._tuning import chunk_rows
 
 from .strategies import assert_close, clipper, equations, microbatch_sizes, random_array
 from .test_sharding import all_reduces_in_loops, collectives
@@ -556,9 +556,9 @@ def _clipped_rows(per_example, bound):
     [(64, 54, 32), (64, 26, 16), (13, 5, 5), (61, 26, 21), (10, 20, 10), (7, 0, 1), (1, 1, 1)],
 )
 def test_ghost_chunks_divide_the_microbatch_where_a_divisor_is_near_the_bound(rows, most, size):
-    """``_chunk_size``: the largest divisor of the rows at most ``most`` where one is at
+    """``_tuning.chunk_rows``: the largest divisor of the rows at most ``most`` where one is at
     least half of it (no shorter last chunk, no copy), else equal chunks and a last one."""
-    assert _chunk_size(rows, most) == size
+    assert chunk_rows(rows, most) == size
 
 
 def _chunk_per_example(params, x, y):

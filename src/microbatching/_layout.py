@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from . import _sharding
+from . import _sharding, _tuning
 from ._checks import ensure_microbatch_size, is_int
 from ._typing import PyTree
 from ._xla_cpu import workarounds as _workarounds
@@ -501,3 +502,21 @@ def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> PyT
         return jnp.moveaxis(split(leaf, ax, size, "tree"), ax + 1, ax)
 
     return jax.tree.map(reshape, tree)
+
+
+def map_chunks(f: Callable[[Any], Any], xs: Any, most: int) -> Any:
+    """``f`` of every chunk of rows of ``xs`` (``_tuning.chunk_rows`` of at most ``most``),
+    the results' rows concatenated: ``jax.lax.map(..., batch_size=...)`` where ``f`` sees
+    each chunk whole (a choice it makes for the chunk stays a branch), and where a divisor
+    near ``most`` is taken so that no last chunk of another size compiles ``f`` again."""
+    rows = jax.tree.leaves(xs)[0].shape[0]
+    size = _tuning.chunk_rows(rows, most)
+    if rows <= size:
+        return f(xs)
+    whole = rows // size * size
+    stacked = jax.tree.map(lambda x: x[:whole].reshape(rows // size, size, *x.shape[1:]), xs)
+    mapped = jax.tree.map(lambda x: x.reshape(whole, *x.shape[2:]), jax.lax.map(f, stacked))
+    if rows == whole:
+        return mapped
+    rest = f(jax.tree.map(lambda x: x[whole:], xs))
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), mapped, rest)

@@ -364,11 +364,16 @@ class GradRequest:
         return found
 
     @property
+    def asked(self) -> Method | None:
+        """The method ``clip_method`` names, or None for ``"auto"``."""
+        return None if self.method == "auto" else METHODS[self.method]
+
+    @property
     def reads_statistics(self) -> bool:
         """Whether a call may take the statistics method: linear accumulators, no
         batched argnums, and ``clip_method`` left to ``auto``."""
         linear = _accumulators.is_linear(self.accumulators)
-        return linear and not self.batched_grad and self.method in ("auto", "statistics")
+        return linear and not self.batched_grad and self.asked in (None, STATISTICS)
 
     @property
     def gradient_metrics(self) -> bool:
@@ -388,12 +393,12 @@ class GradRequest:
         """Whether the norms may be read off the program (``auto``, ``ghost``,
         ``two_pass``), which reads every parameter on every shard of the batch."""
         wanted = self.clipping is not None or _per_example.norms_only(self.metrics)
-        return self.summed and wanted and self.method in ("auto", "ghost", "two_pass")
+        return self.summed and wanted and (self.asked is None or isinstance(self.asked, Ghost))
 
     def check(self) -> None:
         """Wrap-time: raises where the method asked for cannot compute the request."""
-        if self.method != "auto":
-            METHODS[self.method].check(self)
+        if self.asked is not None:
+            self.asked.check(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,7 +582,7 @@ def plan(
     if first is None or not first.shape[0]:
         return call.each(MATERIALIZE, "per-example", "the batch is empty")
     unread = None
-    if request.gradient_metrics and request.method == "auto":
+    if request.gradient_metrics and request.asked is None:
         measured = _norms_metric(request, args, layout, sharded)
         if isinstance(measured, _scaled.NormsMetric):
             inner = dataclasses.replace(request, metrics=measured)
@@ -589,8 +594,8 @@ def plan(
         unread = measured
     if not request.summed:
         return _per_example_plan(request, args, kwargs, layout, sharded, call.each)
-    if request.method != "auto":
-        return METHODS[request.method].plan(call)
+    if request.asked is not None:
+        return request.asked.plan(call)
     return _auto(call, unread)
 
 
@@ -687,14 +692,14 @@ def _per_example_plan(
     MEAN: the statistics method where it can read ``transform_fn`` and ``metrics_fn``,
     else the per-example gradients (materialize), with why."""
     if not request.reads_statistics:
-        why = _ASKED if request.method == "materialize" else _per_example_why(request)
+        why = _ASKED if request.asked is MATERIALIZE else _per_example_why(request)
         return each(MATERIALIZE, "per-example", why)
     scaled = _scaled_plan(request, args, kwargs, layout, sharded)
     if isinstance(scaled, GradPlan):
         return scaled
     found = _statistics_plan(request, args, kwargs, layout, sharded)
     if isinstance(found, Declined):
-        if request.method == "statistics":
+        if request.asked is STATISTICS:
             raise ValueError(_NO_STATISTICS.format(reason=found.reason))
         why = f"{_per_example_why(request)}: {found.reason}"
         if scaled is not None:
@@ -715,7 +720,7 @@ def _scaled_plan(
     rest of the transform as its ``transform_fn``: ``l2_clip_norm``'s, with the user's
     factors. Else why not (None: it reads no norm). ``auto`` only: a method asked for by
     name keeps its meaning."""
-    if request.method != "auto":
+    if request.asked is not None:
         return None
     if sharded or layout is not None:
         # Exact either way; on a split batch the per-example path reduces the gradients
@@ -810,9 +815,9 @@ def _statistics_plan(
         mine, theirs = _statistics.cost(reading, program), _statistics.materialize_cost(program)
         costs = f"{mine:,} flops per example against {theirs:,} for per-example gradients"
         predicted = (("statistics", mine), ("materialize", theirs))
-        if request.method == "auto" and theirs < mine:
+        if request.asked is None and theirs < mine:
             return Declined(f"{_CHEAPER}: {costs}", predicted)
-        why = f"{_ASKED if request.method == 'statistics' else why}: {costs}"
+        why = f"{_ASKED if request.asked is STATISTICS else why}: {costs}"
     return GradPlan(
         STATISTICS, why, leaves, True, layout=layout, reading=reading, predicted=predicted
     )

@@ -670,20 +670,7 @@ def _ghost_chunk(sums: Sums, program: _ghost.Program, split: _Split) -> int:
     if sums.by_shard or knobs.ghost_chunk_bytes is None:
         return rows
     most = knobs.ghost_chunk_bytes // max(_ghost.recorded_bytes(program), 1)
-    return _chunk_size(rows, max(most, knobs.ghost_chunk_rows))
-
-
-def _chunk_size(rows: int, most: int) -> int:
-    """Rows per chunk, at most ``most`` (at least 1): the largest divisor of ``rows``
-    where one is at least half of ``most``, else as many equal chunks as ``most`` needs
-    (and a shorter last one)."""
-    if rows <= most:
-        return rows
-    most = max(most, 1)
-    divisor = max(d for d in range(1, most + 1) if rows % d == 0)
-    if 2 * divisor >= most:
-        return divisor
-    return -(-rows // -(-rows // most))
+    return _tuning.chunk_rows(rows, max(most, knobs.ghost_chunk_rows))
 
 
 def _row_chunks(

@@ -111,6 +111,22 @@ there says otherwise."""
 BY_BACKEND: dict[str, Knobs] = {"cpu": CPU}
 
 
+def chunk_rows(rows: int, most: int) -> int:
+    """Rows per chunk of ``rows``, at most ``most`` (at least 1): the largest divisor of
+    ``rows`` where one is at least half of ``most``, else as many equal chunks as
+    ``most`` needs and a shorter last one. The one rule of every chunked pass: a last
+    chunk of another size is a second copy of the pass in the compiled program (a norm
+    chunk of 29 rows of 32 compiled the CNN of ``benchmarks/clipping.py``'s range
+    fallback twice)."""
+    if rows <= most:
+        return rows
+    most = max(most, 1)
+    divisor = max(d for d in range(1, most + 1) if rows % d == 0)
+    if 2 * divisor >= most:
+        return divisor
+    return -(-rows // -(-rows // most))
+
+
 def knobs() -> Knobs:
     """The tuning of ``jax.default_backend()``."""
     return BY_BACKEND.get(jax.default_backend(), UNMEASURED)

@@ -4,13 +4,13 @@ recorder saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .. import _clipping, _sharding, _tuning
+from .. import _clipping, _layout, _sharding, _tuning
 from .program import Program, Rule
 from .recorder import Recorded
 from .rules import named
@@ -111,7 +111,7 @@ def _shared_site_norms(program: Program, leaves: Sequence[int], seen: Recorded) 
         return _sharding.data_cond(jnp.all(fits), checked, alone)
 
     pairs = (seen.inputs[ks[0]], [seen.cotangents[k] for k in ks])
-    return _by_chunks(chunked, pairs, _chunk_rows(sum(rule.bytes for rule in rules)))
+    return _layout.map_chunks(chunked, pairs, _chunk_rows(sum(rule.bytes for rule in rules)))
 
 
 def _recomputed(
@@ -125,7 +125,7 @@ def _recomputed(
         return norm(program, site, *pair, gram=False)[0]
 
     def recomputed() -> jax.Array:
-        exact = jax.lax.map(product, chunk, batch_size=_chunk_rows(rule.product_bytes))
+        exact = _layout.map_chunks(jax.vmap(product), chunk, _chunk_rows(rule.product_bytes))
         return jnp.where(reliable, norms, exact.astype(norms.dtype))
 
     return _sharding.data_cond(jnp.all(reliable), lambda: norms, recomputed)
@@ -150,29 +150,34 @@ def _site_norms(program: Program, rule: Rule, seen: Recorded) -> jax.Array:
 
     pairs = (seen.inputs[k], seen.cotangents[k])
     if rule.form != "gram" and _rule_of(rule).rows is not None:
-        return _by_chunks(
+        return _layout.map_chunks(
             lambda chunk: _unscaled(program, rule, chunk), pairs, _chunk_rows(rule.bytes)
         )
     if rule.form != "gram":
-        return jax.lax.map(product, pairs, batch_size=_chunk_rows(rule.bytes))
-    return _by_chunks(lambda chunk: _checked(program, rule, chunk), pairs, _chunk_rows(rule.bytes))
+        return _layout.map_chunks(jax.vmap(product), pairs, _chunk_rows(rule.bytes))
+    size = _chunk_rows(rule.bytes)
+    return _layout.map_chunks(lambda chunk: _checked(program, rule, chunk), pairs, size)
 
 
 def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     """A ``product`` or ``rows`` rule's norms of a chunk of examples, from its rows as
     they are, where every example's sum of squares lies in ``[SAFE_LOW * tiny, max /
-    SAFE_HIGH]`` (or, per shared entry, the rows on one side are all 0 and those on the
-    other finite: that part of the gradient is exactly 0, even where the other side's
-    squares overflowed); otherwise, for the whole chunk, from rows scaled by powers of
-    two (``_balanced``), in a branch.
+    SAFE_HIGH]``; otherwise, for the whole chunk, in a branch: the ``product`` form's
+    norm of the product it formed, scaled by its own largest entry
+    (``_clipping.mapped_row_norms``), the ``rows`` form's from each row's norm kept apart
+    from its power of two (``_rows_norm``).
 
     In that range no square or partial sum overflowed, and what underflow took is far
     below ``u``: each square lost is below ``tiny``, at most ``n 2**-66`` of the sum over
     ``n`` squares; each product ``x g`` lost to an entry of ``x^T g`` is below ``tiny``,
     at most ``T sqrt(K N) tiny`` of the product's norm, which is at least ``2**33
     sqrt(tiny)``. A product that overflowed is ``inf`` or NaN, outside the range. The
-    scaled form costs a largest-magnitude pass over every row and a multiplication per
-    entry (on the MLP of ``benchmarks/clipping.py``, a fifth of a ghost step's thunks)."""
+    product the branch norms is each example's gradient at the site as the model's
+    backward pass forms it, with what it lost there to underflow or overflow.
+
+    Each branch is one copy of its form in the compiled program: the ``product`` form's
+    used to scale the rows by powers of two (``_balanced``) and form the product again,
+    which made 67 of the 304 kernels of the CNN of ``benchmarks/clipping.py``'s ghost step."""
     site, rows = program.sites[rule.sites[0]], _rule_of(rule).rows
     if rows is None:  # _site_norms takes this form only for a rule with rows
         raise RuntimeError(f"the {rule.name!r} rule has no rows to norm.")
@@ -183,66 +188,40 @@ def _unscaled(program: Program, rule: Rule, chunk: Any) -> jax.Array:
     def fits(squares: jax.Array) -> jax.Array:
         return (squares >= low) & (squares <= high)
 
-    def zero(rows: jax.Array) -> jax.Array:
-        return jnp.all(rows == 0, axis=tuple(range(2, rows.ndim)))
-
     _, h, t, _ = xs.shape
-    if t == 1:  # per shared entry h, ||x_h|| ||g_h||
-        sx, sg = (jnp.sum(jnp.square(v), axis=(2, 3)) for v in (xs, gs))
-        fine = fits(sx) & fits(sg)
-        each = _clipping.sqrt(sx) * _clipping.sqrt(sg)
-
-        def combined(each: jax.Array) -> jax.Array:
-            return each[:, 0] if h == 1 else _clipping.mapped_row_norms(each, each.shape[0])
-
-        norms = combined(each)
-
-        def without(nothing: jax.Array) -> jax.Array:  # sqrt(inf) * 0 is NaN: set to 0
-            return combined(jnp.where(nothing, 0, each))
-    else:
+    if t > 1:
+        # The product is each example's gradient at the site: out of range, its norm is
+        # taken scaled by its own largest entry, in a branch.
         product = jnp.einsum("bhtk,bhtn->bhkn", xs, gs, precision=HIGHEST)
         squares = jnp.sum(jnp.square(product), axis=(1, 2, 3))
-        fine = fits(squares)[:, None]
         norms = _clipping.sqrt(squares)
 
-        def without(nothing: jax.Array) -> jax.Array:  # the products of 0 are 0 already
-            return norms
+        def rescaled() -> jax.Array:
+            return _clipping.mapped_row_norms(product, product.shape[0]).astype(norms.dtype)
+
+        return _sharding.data_cond(jnp.all(fits(squares)), lambda: norms, rescaled)
+    # per shared entry h, ||x_h|| ||g_h||
+    sx, sg = (jnp.sum(jnp.square(v), axis=(2, 3)) for v in (xs, gs))
+    fine = fits(sx) & fits(sg)
+    each = _clipping.sqrt(sx) * _clipping.sqrt(sg)
+
+    def combined(each: jax.Array) -> jax.Array:
+        return each[:, 0] if h == 1 else _clipping.mapped_row_norms(each, each.shape[0])
+
+    norms = combined(each)
 
     def scaled() -> jax.Array:
-        # The rows read above, not read again: the same values, compiled once.
+        # The rows read above, not read again: the same values, compiled once. A row of
+        # zeros beside one whose squares overflowed gives 0, as its gradient is.
         found = jax.vmap(lambda x, g: _product_norm(x, g, gram=False)[0])(xs, gs)
         return found.astype(norms.dtype)
 
-    def with_zeros() -> jax.Array:
-        # A gradient that is exactly 0 (a row of weight 0: its cotangents are 0) is
-        # taken as it is: every product is 0, so every square, and nothing was lost.
-        finite = [jnp.all(jnp.isfinite(v), axis=tuple(range(2, v.ndim))) for v in (xs, gs)]
-        nothing = (zero(xs) & finite[1]) | (zero(gs) & finite[0])
-        found = without(nothing)
-        return _sharding.data_cond(jnp.all(fine | nothing), lambda: found, scaled)
-
-    return _sharding.data_cond(jnp.all(fine), lambda: norms, with_zeros)
+    return _sharding.data_cond(jnp.all(fine), lambda: norms, scaled)
 
 
 def _chunk_rows(per_example: int) -> int:
     """How many examples' norm intermediates of ``per_example`` bytes fit in a chunk."""
     return max(1, _tuning.knobs().norm_chunk_bytes // max(per_example, 1))
-
-
-def _by_chunks(f: Callable[[Any], jax.Array], xs: Any, size: int) -> jax.Array:
-    """``f`` of every chunk of ``size`` rows of ``xs`` (a last, shorter chunk for the
-    rest), concatenated: ``jax.lax.map(..., batch_size=size)`` where ``f`` sees the
-    chunk whole, so that a choice it makes for the chunk stays a branch."""
-    rows = jax.tree.leaves(xs)[0].shape[0]
-    if rows <= size:
-        return f(xs)
-    whole = rows // size * size
-    stacked = jax.tree.map(lambda x: x[:whole].reshape(rows // size, size, *x.shape[1:]), xs)
-    mapped = jax.lax.map(f, stacked)
-    parts = [mapped.reshape(whole, *mapped.shape[2:])]
-    if rows > whole:
-        parts.append(f(jax.tree.map(lambda x: x[whole:], xs)))
-    return jnp.concatenate(parts)
 
 
 def _rule_of(rule: Rule) -> GhostRule:

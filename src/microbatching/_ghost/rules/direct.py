@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from ... import _clipping, _tuning
+from ... import _clipping, _layout, _tuning
 from ..program import Program, free_values
 from ..recorder import Recorded, _site_outputs
 
@@ -66,4 +66,4 @@ def _direct_norms(
         return [_clipping.norm(g) for g in grads(*pair)]
 
     xs = ([seen.inputs[k] for k in sites], [seen.cotangents[k] for k in sites])
-    return jax.lax.map(norms, xs, batch_size=chunk(program, leaves))
+    return _layout.map_chunks(jax.vmap(norms), xs, chunk(program, leaves))

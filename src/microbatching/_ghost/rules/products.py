@@ -138,11 +138,19 @@ def _product_norm(xs: jax.Array, gs: jax.Array, gram: bool) -> tuple[jax.Array, 
     _, t, _ = xs.shape
     if t == 1:  # per shared entry h, ||x_h|| ||g_h||
         return _rows_norm(xs[:, 0], gs[:, 0]), jnp.ones((), bool)
-    xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     if not gram:
-        product = jnp.einsum("htk,htn->hkn", xs, gs, precision=HIGHEST)
-        return _product_of_rows(product, *scales), jnp.ones((), bool)
+        return _clipping.norm(_product(xs, gs)), jnp.ones((), bool)
+    xs, gs, scales = _balanced(xs, gs)  # interleaved: no product of two is subnormal
     return _gram_norm(gram_matrices(xs), xs.shape[-1], gram_matrices(gs), gs.shape[-1], scales)
+
+
+def _product(xs: jax.Array, gs: jax.Array) -> jax.Array:
+    """``sum_t xs[..., t] (outer) gs[..., t]`` from the rows as they are, in at least
+    float32: the products the model's own backward pass forms, so each example's gradient
+    at the site as ``jax.grad`` gives it (an entry that underflows or overflows there does
+    so here too)."""
+    wide = jnp.promote_types(jnp.result_type(xs, gs), jnp.float32)
+    return jnp.einsum("...tk,...tn->...kn", xs.astype(wide), gs.astype(wide), precision=HIGHEST)
 
 
 def _rows_norm(x: jax.Array, g: jax.Array) -> jax.Array:
